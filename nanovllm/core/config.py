@@ -1,0 +1,54 @@
+from dataclasses import dataclass
+
+from nanovllm.core.errors import ConfigError
+
+POLICIES = ("fair", "prefill_first")
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(model, **config)` accepts besides the model path."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's own context length (capped at 8192)
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_gib / gpu_memory_utilization
+    kv_cache_gib: float | None = None  # CPU default 2 GiB
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fair"
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    enforce_eager: bool = False
+    seed: int = 0
+    num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ConfigError(f"{name}={getattr(self, name)!r} is invalid: {why}")
+
+        if self.scheduling_policy not in POLICIES:
+            bad("scheduling_policy", f"choose one of {', '.join(POLICIES)}")
+        if self.max_num_seqs < 1:
+            bad("max_num_seqs", "use an integer >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            bad(
+                "max_num_batched_tokens",
+                f"it must be >= max_num_seqs={self.max_num_seqs} so every running "
+                "sequence can decode each step",
+            )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            bad("block_size", "use a power of two such as 16")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            bad("num_kv_blocks", "use a positive integer or None for automatic sizing")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            bad("kv_cache_gib", "use a positive size in GiB")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            bad("gpu_memory_utilization", "use a fraction in (0, 1]")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            bad("dtype", "choose auto, float32, bfloat16 or float16")
+        if self.device not in ("auto", "cpu", "cuda"):
+            bad("device", "choose auto, cpu or cuda")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            bad("max_model_len", "use a positive integer")

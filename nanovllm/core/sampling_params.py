@@ -1,0 +1,92 @@
+from dataclasses import dataclass, field
+
+from nanovllm.core.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop, per request (same names as vLLM).
+
+    temperature 0 means greedy. top_k 0 (or -1) and top_p 1 and min_p 0 disable
+    those filters. A seed makes sampling reproducible whatever else is in the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    stop_list: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.stop, str):
+            self.stop_list = [self.stop]
+        else:
+            self.stop_list = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def _validate(self) -> None:
+        def bad(param: str, why: str) -> None:
+            raise InvalidRequestError(
+                f"{param}={getattr(self, param)!r} is invalid: {why}", param=param
+            )
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "use an integer >= 1")
+        if self.temperature < 0:
+            bad("temperature", "use 0 for greedy or a positive value")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "use 0 or -1 to disable, or a positive integer")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "use a value in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "use a value in [0, 1]")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            bad("max_tokens", "use an integer >= 1, or None to fill the context")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "use an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"it must not exceed max_tokens={self.max_tokens}")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "use a positive value (1.0 disables it)")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "use a value in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "use a value in [-2, 2]")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            bad("logprobs", "use a non-negative integer (top-N logprobs per token)")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "use an integer")
+        if any(not isinstance(s, str) or not s for s in self.stop_list):
+            bad("stop", "use non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "use non-negative token ids")

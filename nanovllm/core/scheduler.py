@@ -1,0 +1,239 @@
+from collections import deque
+from dataclasses import dataclass
+
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.config import EngineConfig
+from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """What runs this step: each sequence with `num_scheduled_tokens` set."""
+
+    seqs: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(seq.num_scheduled_tokens for seq in self.seqs)
+
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        """Rows whose tokens are all computed after this step: they sample one token each."""
+        return [
+            s for s in self.seqs if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens
+        ]
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    """Decides which tokens of which sequences run each step, under a token and KV budget.
+
+    Policies:
+    - `fair`: every running sequence gets its decode token first, then prefill chunks
+      (of running, then waiting sequences) fill the rest of the token budget.
+    - `prefill_first`: the seed's behaviour; a step is either all prefill or all decode,
+      only the first prefill of a step may be chunked, and a prompt's whole block table
+      is allocated before its first chunk.
+    Under KV pressure the sequence at the tail of `running` is preempted: its blocks are
+    freed and it is recomputed later from its tokens, so no output is lost.
+    """
+
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+    ) -> None:
+        self.policy = config.scheduling_policy
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found there
+
+    # ---- queues -------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None):
+        """End a sequence wherever it is (running, waiting, mid-prefill) and free its blocks."""
+        if seq.status == SequenceStatus.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.num_scheduled_tokens = 0
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_scheduled_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _admit_prefix(self, seq: Sequence) -> None:
+        """Look a fresh waiting sequence up in the prefix cache (takes refs on hits)."""
+        if not seq.block_table:
+            self.block_manager.allocate_cached_prefix(seq)
+
+    def _undo_admit(self, seq: Sequence) -> None:
+        if seq.block_table and seq.num_computed_tokens == seq.num_cached_prefix_tokens:
+            self.block_manager.free(seq)
+
+    def _count_prefix(self, seq: Sequence) -> None:
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += seq.num_cached_prefix_tokens
+
+    # ---- schedule -----------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        if self.policy == "fair":
+            return self._schedule_fair()
+        return self._schedule_prefill_first()
+
+    def _schedule_prefill_first(self) -> ScheduledBatch:
+        bm = self.block_manager
+        scheduled: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs and budget:
+            seq = self.waiting[0]
+            fresh = not seq.block_table
+            if fresh:
+                self._admit_prefix(seq)
+            need = seq.num_tokens - seq.num_computed_tokens
+            if need > budget and scheduled:
+                if fresh:
+                    self._undo_admit(seq)
+                break
+            if fresh:
+                if not bm.allocate(seq, need):  # the whole block table, up front
+                    self._undo_admit(seq)
+                    break
+                self._count_prefix(seq)
+            seq.num_scheduled_tokens = min(need, budget)
+            budget -= seq.num_scheduled_tokens
+            scheduled.append(seq)
+            if seq.num_scheduled_tokens == need:
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                # `running` is extended after the loop so the max_num_seqs check sees both
+        if scheduled:
+            self.running.extend(s for s in scheduled if s.status == SequenceStatus.RUNNING)
+            return ScheduledBatch(scheduled)
+
+        # decode step: running keeps its order; preempt from the tail when out of blocks
+        kept: list[Sequence] = []
+        queue = deque(self.running)
+        while queue and len(kept) < self.max_num_seqs:
+            seq = queue.popleft()
+            while not bm.allocate(seq, 1):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                seq.num_scheduled_tokens = 1
+                kept.append(seq)
+        return ScheduledBatch(kept)
+
+    def _schedule_fair(self) -> ScheduledBatch:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[Sequence] = []
+        preempted = False
+        # decoders first, so prefill work can never take their token
+        order = [s for s in self.running if not s.in_prefill]
+        order += [s for s in self.running if s.in_prefill]
+        for seq in order:
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not bm.allocate(seq, n):
+                slack = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size
+                fit = slack - seq.num_computed_tokens
+                if fit > 0:
+                    n = fit  # a smaller prefill chunk fits without preempting anyone
+                    continue
+                victim = self.running[-1]
+                if victim in scheduled:
+                    scheduled.remove(victim)
+                    budget += victim.num_scheduled_tokens
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                seq.num_scheduled_tokens = n
+                budget -= n
+                scheduled.append(seq)
+
+        # then new work, in arrival order, while tokens, rows and blocks remain
+        while self.waiting and budget and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self._admit_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not bm.allocate(seq, n):
+                self._undo_admit(seq)
+                break
+            self._count_prefix(seq)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seq.num_scheduled_tokens = n
+            budget -= n
+            scheduled.append(seq)
+        return ScheduledBatch(scheduled)
+
+    # ---- after the forward pass ----------------------------------------------
+
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens, finish sequences that stop.
+
+        `token_ids` holds one token per row of `batch.sampling_seqs`, in that order.
+        """
+        sampling = batch.sampling_seqs
+        assert len(sampling) == len(token_ids)
+        for seq in batch.seqs:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.register_full_blocks(seq)
+        finished = []
+        for seq, token_id in zip(sampling, token_ids, strict=True):
+            seq.append_token(token_id)
+            reason = self._check_stop(seq, token_id)
+            if reason is not None:
+                self.finish(seq, *reason)
+                finished.append(seq)
+        return finished
+
+    def _check_stop(self, seq: Sequence, token_id: int):
+        sp = seq.sampling_params
+        if seq.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token_id in self.eos_token_ids:
+                return FinishReason.STOP, None
+            if token_id in sp.stop_token_ids:
+                return FinishReason.STOP, token_id
+        if sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens:
+            return FinishReason.LENGTH, None
+        if seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None

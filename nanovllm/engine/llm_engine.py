@@ -1,0 +1,245 @@
+import dataclasses
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.config import EngineConfig
+from nanovllm.core.errors import ConfigError, InvalidRequestError
+from nanovllm.core.sampling_params import SamplingParams
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import FinishReason, Sequence
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.outputs import CompletionOutput, RequestOutput
+from nanovllm.engine.tokenizer import Tokenizer
+from nanovllm.model.config import ModelConfig
+from nanovllm.model.loader.source import open_model
+from nanovllm.worker.model_runner import ModelRunner
+
+log = logging.getLogger("nanovllm")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
+    texts: list[str]
+    arrival_time: float
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    """The engine loop: add requests, `step()` until none is left, read outputs."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise ConfigError(
+                f"unknown engine option(s) {unknown}; valid options: {sorted(fields)}"
+            )
+        self.config = config = EngineConfig(**kwargs)
+        source = open_model(model)
+        self.model_config = ModelConfig.from_hf(source.hf_config)
+        if source.gguf is not None:
+            self.tokenizer = Tokenizer.from_gguf(source.gguf.metadata)
+        else:
+            self.tokenizer = Tokenizer.from_pretrained_dir(source.path)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(
+            self.model_config.eos_token_ids
+        )
+        self.runner = ModelRunner(config, source, self.model_config, config.max_model_len)
+        kv_tokens = self.runner.num_blocks * config.block_size
+        model_len = self.model_config.max_position_embeddings
+        if config.max_model_len is None:
+            self.max_model_len = min(model_len, kv_tokens)
+        else:
+            self.max_model_len = config.max_model_len
+            if self.max_model_len > kv_tokens:
+                raise ConfigError(
+                    f"the KV cache holds {kv_tokens} tokens but max_model_len={self.max_model_len} "
+                    "needs at least that many for one sequence; lower max_model_len or give the "
+                    "cache more memory (num_kv_blocks, kv_cache_gib, gpu_memory_utilization)"
+                )
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            config, self.block_manager, self.max_model_len, self.eos_token_ids
+        )
+        self.requests: dict[str, Request] = {}
+        self._owner: dict[int, tuple[Request, int]] = {}  # seq id -> (request, completion index)
+        self._seq_counter = itertools.count()
+        self._req_counter = itertools.count()
+        self.num_prefill_tokens = 0  # totals, for progress bars and metrics
+        self.num_decode_tokens = 0
+        self.num_steps = 0
+
+    # ---- requests -----------------------------------------------------------------
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation with the chat template applied and a reply to come."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # the template writes any BOS itself
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt, checked against the vocabulary and max_model_len."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt"
+                )
+        else:
+            raise InvalidRequestError(
+                f"a prompt must be a string or a list of token ids, not {type(prompt).__name__}",
+                "prompt",
+            )
+        if not ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token", "prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}, "
+                "leaving no room to generate; shorten the prompt or raise max_model_len",
+                "prompt",
+            )
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> str:
+        """Queue a request; raises InvalidRequestError before anything is queued."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params must be a SamplingParams", "sampling_params")
+        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
+        request_id = request_id or str(next(self._req_counter))
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        now = time.monotonic()
+        seqs, detoks = [], []
+        for i in range(params.n):
+            p = (
+                params
+                if params.seed is None or i == 0
+                else dataclasses.replace(params, seed=params.seed + i)
+            )
+            seqs.append(Sequence(next(self._seq_counter), ids, p, arrival_time=now))
+            detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
+        req = Request(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            ids,
+            params,
+            seqs,
+            detoks,
+            [""] * params.n,
+            now,
+        )
+        self.requests[request_id] = req
+        for i, seq in enumerate(seqs):
+            self._owner[seq.seq_id] = (req, i)
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """End a request now and free its KV blocks; False if it is unknown or already done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            self.scheduler.finish(seq, reason)
+            self._owner.pop(seq.seq_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the requests whose state changed."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled = batch.sampling_seqs
+        num_decode = sum(1 for s in batch.seqs if s.num_scheduled_tokens == 1 and s in sampled)
+        self.num_decode_tokens += num_decode
+        self.num_prefill_tokens += batch.num_tokens - num_decode
+        self.num_steps += 1
+        out = self.runner.run(batch, self.eos_token_ids)
+        self.scheduler.postprocess(batch, out.token_ids)
+        touched: dict[str, Request] = {}
+        for seq, logprobs in zip(sampled, out.logprobs):
+            req, i = self._owner[seq.seq_id]
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
+            self._update_text(req, i, seq)
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            outputs.append(self._make_output(req))
+            if req.finished:
+                del self.requests[req.request_id]
+                for seq in req.seqs:
+                    del self._owner[seq.seq_id]
+        return outputs
+
+    def _update_text(self, req: Request, i: int, seq: Sequence) -> None:
+        detok = req.detoks[i]
+        before = len(detok.output_text)
+        detok.step([seq.last_token])
+        text = detok.output_text
+        sp = seq.sampling_params
+        if sp.stop_list and seq.num_output_tokens >= sp.min_tokens:
+            longest = max(len(s) for s in sp.stop_list)
+            search_from = max(0, before - longest + 1)
+            hits = [(text.find(s, search_from), s) for s in sp.stop_list]
+            hits = [(pos, s) for pos, s in hits if pos != -1]
+            if hits:
+                pos, stop = min(hits)
+                req.texts[i] = (
+                    text[: pos + len(stop)] if sp.include_stop_str_in_output else text[:pos]
+                )
+                if seq.is_finished:
+                    seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+                else:
+                    self.scheduler.finish(seq, FinishReason.STOP, stop)
+                return
+        if seq.is_finished:
+            text = self.tokenizer.decode(
+                seq.output_token_ids, skip_special_tokens=sp.skip_special_tokens
+            )
+        req.texts[i] = text
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        outs = []
+        for i, seq in enumerate(req.seqs):
+            reason = seq.finish_reason.value if seq.finish_reason else None
+            lps = seq.logprobs if seq.sampling_params.logprobs is not None else None
+            outs.append(
+                CompletionOutput(
+                    i, req.texts[i], list(seq.output_token_ids), reason, seq.stop_reason, lps
+                )
+            )
+        cached = req.seqs[0].num_cached_prefix_tokens
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, cached
+        )

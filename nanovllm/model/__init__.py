@@ -1,0 +1,1 @@
+"""Models, layers, attention backends and weight loaders: flat tensors in, logits out."""

@@ -1,0 +1,103 @@
+"""Paged attention in plain torch: the CPU backend and the reference for the GPU kernels."""
+
+import torch
+import torch.nn.functional as F
+
+from nanovllm.model.attention.metadata import AttentionMetadata
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V ([T, Hkv, D]) into its cache slot."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    blocks = cache[block_table[:num_blocks].long()]  # [nb, bs, H, D]
+    return blocks.flatten(0, 1)[:length]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of q ([T, Hq, D]) over each row's cached context; returns [T, Hq, D]."""
+    out = torch.empty_like(q)
+    starts = _host_starts(meta.query_lens_host)
+    decode_rows = [i for i, n in enumerate(meta.query_lens_host) if n == 1]
+    if len(decode_rows) > 1:
+        _decode_batched(q, k_cache, v_cache, meta, scale, decode_rows, starts, out)
+        done = set(decode_rows)
+    else:
+        done = set()
+    for i, n in enumerate(meta.query_lens_host):
+        if i in done or n == 0:
+            continue
+        length = meta.context_lens_host[i]
+        k = _gather(k_cache, meta.block_tables[i], length)
+        v = _gather(v_cache, meta.block_tables[i], length)
+        qi = q[starts[i] : starts[i] + n]
+        out[starts[i] : starts[i] + n] = _attend(qi, k, v, scale, offset=length - n)
+    return out
+
+
+def _host_starts(query_lens: list[int]) -> list[int]:
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return starts
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int):
+    """Causal attention of n queries that sit at positions offset..offset+n-1 of k/v."""
+    n, length = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, len, D]
+    if offset == 0:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=n > 1, scale=scale)
+    else:
+        pos_q = torch.arange(offset, offset + n, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= pos_q[:, None]
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)
+
+
+def _decode_batched(q, k_cache, v_cache, meta, scale, rows, starts, out) -> None:
+    """All single-token rows at once: gather their blocks, pad, mask by context length."""
+    block_size = k_cache.shape[1]
+    max_len = max(meta.context_lens_host[i] for i in rows)
+    num_blocks = -(-max_len // block_size)
+    row_idx = torch.tensor(rows, device=q.device)
+    tok_idx = torch.tensor([starts[i] for i in rows], device=q.device)
+    tables = meta.block_tables[row_idx, :num_blocks].long()
+    k = k_cache[tables].flatten(1, 2)  # [R, L, Hkv, D]
+    v = v_cache[tables].flatten(1, 2)
+    lens = meta.context_lens[row_idx].to(q.device)
+    mask = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # [R, L]
+    group = q.shape[1] // k.shape[2]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=2)
+        v = v.repeat_interleave(group, dim=2)
+    qr = q[tok_idx].unsqueeze(2)  # [R, Hq, 1, D]
+    o = F.scaled_dot_product_attention(
+        qr, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale
+    )
+    out[tok_idx] = o.squeeze(2)

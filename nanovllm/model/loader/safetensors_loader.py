@@ -1,0 +1,37 @@
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from nanovllm.core.errors import ModelLoadError
+
+
+def read_hf_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(
+            f"{path} has no config.json; pass a Hugging Face model directory or a .gguf file"
+        )
+    cfg = json.loads(config_file.read_text())
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        gen = json.loads(gen_file.read_text())
+        if gen.get("eos_token_id") is not None:
+            eos = cfg.get("eos_token_id")
+            ids = set([eos] if isinstance(eos, int) else eos or [])
+            g = gen["eos_token_id"]
+            ids |= set([g] if isinstance(g, int) else g)
+            cfg["eos_token_id"] = sorted(ids)
+    return cfg
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} holds no *.safetensors files")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

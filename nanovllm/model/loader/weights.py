@@ -1,0 +1,56 @@
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from nanovllm.core.errors import ModelLoadError
+
+
+def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors (Hugging Face names) into the model's parameters.
+
+    q/k/v and gate/up are stored apart in checkpoints and merged here.
+    """
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    packed = getattr(model, "packed_modules", {})
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        if "rotary_emb" in name or (tied and name == "lm_head.weight"):
+            continue
+        shard = None
+        for part, (merged, shard_name) in packed.items():
+            if f".{part}." in name:
+                name, shard = name.replace(f".{part}.", f".{merged}."), shard_name
+                break
+        param = params.get(name)
+        if param is None:
+            continue  # tensors the model does not use
+        module = modules[name.rsplit(".", 1)[0]]
+        loader = getattr(module, "weight_loader", None)
+        try:
+            if loader is not None:
+                loader(param, tensor, shard)
+            else:
+                param.data.copy_(
+                    tensor.view(param.shape) if tensor.numel() == param.numel() else tensor
+                )
+        except (RuntimeError, ValueError) as e:
+            raise ModelLoadError(f"checkpoint tensor {name!r} does not fit the model: {e}") from e
+        loaded.add(name if shard is None else f"{name}:{shard}")
+    expected = set()
+    for name in params:
+        module = modules[name.rsplit(".", 1)[0]]
+        shards = getattr(module, "offsets", None)
+        if shards:
+            expected.update(f"{name}:{s}" for s in shards)
+        else:
+            expected.add(name)
+    if tied:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ModelLoadError(
+            f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}"
+        )

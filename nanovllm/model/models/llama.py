@@ -1,0 +1,117 @@
+"""The Llama decoder; Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm) differ only by config flags."""
+
+import torch
+from torch import nn
+
+from nanovllm.model.attention.metadata import AttentionMetadata
+from nanovllm.model.config import ModelConfig
+from nanovllm.model.layers.activation import SiluAndMul
+from nanovllm.model.layers.attention import Attention
+from nanovllm.model.layers.embedding import LMHead, VocabEmbedding
+from nanovllm.model.layers.linear import Linear, MergedLinear
+from nanovllm.model.layers.norm import RMSNorm
+from nanovllm.model.layers.rotary import RotaryEmbedding
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=cfg.attention_bias
+        )
+        self.o_proj = Linear(q_size, cfg.hidden_size)
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.sizes = [q_size, kv_size, kv_size]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, meta)
+        return self.o_proj(o.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size})
+        self.down_proj = Linear(size, cfg.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, positions, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name part -> (our module name part, shard)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, max_position)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

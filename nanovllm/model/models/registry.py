@@ -1,0 +1,15 @@
+from torch import nn
+
+from nanovllm.model.config import ModelConfig
+from nanovllm.model.models.llama import LlamaForCausalLM
+
+# Qwen2 and Qwen3 are the Llama decoder with config flags (qkv bias, q/k norm).
+MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def build_model(cfg: ModelConfig, max_position: int) -> nn.Module:
+    return MODELS[cfg.architecture](cfg, max_position)

@@ -1,0 +1,133 @@
+import torch
+
+from nanovllm.core.sampling_params import SamplingParams
+from nanovllm.model.layers.sampler import SamplingTensors
+
+_SEED_MASK = 2**63 - 1  # any Python int seed maps into int64's non-negative range
+
+
+def build_sampling_tensors(
+    params: list[SamplingParams],
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    eos_token_ids: set[int],
+    vocab_size: int,
+    device: torch.device | str,
+) -> SamplingTensors:
+    """Turn one batch's per-row parameters and tokens into `SamplingTensors` on `device`.
+
+    Row i samples output token number len(output_ids[i]), which is its seed offset.
+    Penalty tensors are built only if some row uses penalties, and the min_tokens mask
+    only if some row is still short of its min_tokens.
+    """
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    seeded = [i for i in random_rows if params[i].seed is not None]
+    # one host-to-device copy per dtype instead of one per field
+    floats = torch.tensor(
+        [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+        dtype=torch.float32,
+        device=device,
+    )
+    ints = torch.tensor(
+        [
+            [min(p.top_k, vocab_size) for p in params],
+            [-1 if p.seed is None else p.seed & _SEED_MASK for p in params],
+            [len(out) for out in output_ids],
+        ],
+        dtype=torch.long,
+        device=device,
+    )
+    t = SamplingTensors(
+        temperatures=floats[0],
+        top_ps=floats[1],
+        min_ps=floats[2],
+        top_ks=ints[0],
+        seeds=ints[1],
+        seed_offsets=ints[2],
+        min_tokens_mask=_min_tokens_mask(params, output_ids, eos_token_ids, vocab_size, device),
+        seeded_rows=torch.tensor(seeded, dtype=torch.long, device=device) if seeded else None,
+        max_logprobs=max((p.logprobs or 0 for p in params), default=0),
+        all_greedy=not random_rows,
+        any_greedy=len(random_rows) < len(params),
+        any_seeded=bool(seeded),
+        any_top_k=any(0 < params[i].top_k < vocab_size for i in random_rows),
+        any_top_p=any(params[i].top_p < 1.0 for i in random_rows),
+        any_min_p=any(params[i].min_p > 0.0 for i in random_rows),
+    )
+    if any(p.uses_penalties for p in params):
+        _add_penalties(t, params, prompt_ids, output_ids, vocab_size, device)
+    return t
+
+
+def _add_penalties(
+    t: SamplingTensors,
+    params: list[SamplingParams],
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> None:
+    penalties = torch.tensor(
+        [
+            [p.repetition_penalty for p in params],
+            [p.presence_penalty for p in params],
+            [p.frequency_penalty for p in params],
+        ],
+        dtype=torch.float32,
+        device=device,
+    )
+    t.repetition_penalties, t.presence_penalties, t.frequency_penalties = penalties.unbind(0)
+    # rows without penalties contribute no tokens, so they ship and scatter nothing
+    outputs = _padded(
+        [out if p.uses_penalties else [] for p, out in zip(params, output_ids, strict=True)],
+        vocab_size,
+        device,
+    )
+    counts = torch.zeros(len(params), vocab_size + 1, dtype=torch.int32, device=device)
+    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.int32))
+    t.output_token_counts = counts[:, :vocab_size]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        prompts = _padded(
+            [
+                ids if p.repetition_penalty != 1.0 else []
+                for p, ids in zip(params, prompt_ids, strict=True)
+            ],
+            vocab_size,
+            device,
+        )
+        mask = torch.zeros(len(params), vocab_size + 1, dtype=torch.bool, device=device)
+        t.prompt_token_mask = mask.scatter_(1, prompts, True)[:, :vocab_size]
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device | str) -> torch.Tensor:
+    # pad with the id one past the vocab: it scatters into a spare column that is cut off
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor(
+        [r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device
+    ).view(len(rows), width)
+
+
+def _min_tokens_mask(
+    params: list[SamplingParams],
+    output_ids: list[list[int]],
+    eos_token_ids: set[int],
+    vocab_size: int,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, (p, out) in enumerate(zip(params, output_ids, strict=True)):
+        if len(out) >= p.min_tokens:
+            continue
+        banned = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            banned |= eos_token_ids
+        ids = sorted(tok for tok in banned if tok < vocab_size)
+        rows += [i] * len(ids)
+        cols += ids
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(cols, dtype=torch.long, device=device),
+    )

@@ -1,0 +1,128 @@
+"""The real default model (SmolLM2-135M-Instruct, GGUF) against transformers' own GGUF loader."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.model.loader.source import default_model_path
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_num_seqs=8, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+
+
+@pytest.fixture(scope="module")
+def chat_ids(llm) -> list[list[int]]:
+    return [llm.engine.render_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def test_greedy_matches_transformers(llm, hf_model, chat_ids):
+    outs = llm.generate(
+        chat_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
+    )
+    for ids, out in zip(chat_ids, outs):
+        with torch.no_grad():
+            ref = hf_model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids)),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+            )
+        assert out.token_ids == ref[0, len(ids) :].tolist()
+    assert "Paris" in outs[0].text
+
+
+def test_logprobs_match_transformers(llm, hf_model, chat_ids):
+    out = llm.generate(
+        [chat_ids[0]], SamplingParams(temperature=0, max_tokens=1, logprobs=3), use_tqdm=False
+    )[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([chat_ids[0]])).logits[0, -1], -1)
+    lps = out.outputs[0].logprobs[0]
+    top = torch.topk(ref, 3)
+    assert list(lps)[0] == out.token_ids[0] == int(top.indices[0])
+    for token, lp in zip(top.indices.tolist(), top.values.tolist()):
+        assert lps[token] == pytest.approx(lp, abs=1e-3)
+
+
+def test_seeded_sampling_is_reproducible(llm, chat_ids):
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16)
+    alone = llm.generate([chat_ids[1]], sp, use_tqdm=False)[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=16)
+    mixed = llm.generate(chat_ids[:3], [others, sp, others], use_tqdm=False)[1].token_ids
+    assert alone == mixed
+
+
+def test_stop_strings(llm, chat_ids):
+    full = llm.generate(
+        [chat_ids[0]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
+    )[0]
+    assert "Paris" in full.text
+    cut = llm.generate(
+        [chat_ids[0]],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["Paris"]),
+        use_tqdm=False,
+    )[0]
+    assert cut.text == full.text[: full.text.index("Paris")]
+    assert cut.finish_reason == "stop" and cut.outputs[0].stop_reason == "Paris"
+    kept = llm.generate(
+        [chat_ids[0]],
+        SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, stop="Paris", include_stop_str_in_output=True
+        ),
+        use_tqdm=False,
+    )[0]
+    assert kept.text == full.text[: full.text.index("Paris") + len("Paris")]
+
+
+def test_chat_api_and_eos(llm):
+    out = llm.chat(
+        [{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=64)
+    )[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] in llm.engine.eos_token_ids
+    assert "<|im_end|>" not in out.text
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_cli_generate_answers():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanovllm",
+            "generate",
+            "What is the capital of France?",
+            "--max-tokens",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout

@@ -1,0 +1,119 @@
+"""Bad input raises a typed error that names the value, before any work, and loses nothing."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nanovllm import LLM, ConfigError, InvalidRequestError, ModelLoadError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    return LLM(str(tiny_llama), device="cpu", max_model_len=64, block_size=4)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-3), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(n=0), "n"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
+def test_invalid_sampling_params(kwargs, param):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param and param in str(e.value)
+
+
+def test_bad_prompts_fail_before_any_work(llm):
+    bm = llm.engine.block_manager
+    good = [5, 6, 7]
+    for bad, words in [
+        ([], "empty"),
+        (list(range(3, 70)), "max_model_len"),
+        ([5, 100000], "vocabulary"),
+        ("", "empty"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=words):
+            llm.generate([good, bad], GREEDY, use_tqdm=False)
+        # nothing was queued, no block is held, and the next request still runs
+        assert not llm.engine.has_unfinished_requests()
+        assert bm.num_free_blocks == bm.num_blocks
+    assert len(llm.generate([good], GREEDY, use_tqdm=False)[0].token_ids) == 4
+    with pytest.raises(InvalidRequestError, match="SamplingParams"):
+        llm.generate([good, good], [GREEDY], use_tqdm=False)
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    ids = [engine.add_request(list(range(3, 30)), GREEDY) for _ in range(3)]
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    for request_id in ids:
+        assert engine.abort_request(request_id)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_model_path_errors(tmp_path, tiny_llama):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*not supported"):
+        LLM(str(tmp_path))
+    with pytest.raises(ConfigError, match="max_model_len"):
+        LLM(str(tiny_llama), device="cpu", num_kv_blocks=4, block_size=4, max_model_len=64)
+    with pytest.raises(ConfigError, match="unknown engine option"):
+        LLM(str(tiny_llama), device="cpu", max_num_sequences=3)
+    with pytest.raises(ConfigError, match="scheduling_policy"):
+        LLM(str(tiny_llama), device="cpu", scheduling_policy="lifo")
+
+
+def test_cli_bad_input_exits_nonzero_with_one_line(tiny_llama):
+    for args in (["--temperature", "-1"], ["--model", "/does/not/exist"]):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nanovllm",
+                "generate",
+                "hi",
+                "--device",
+                "cpu",
+                "--model",
+                str(tiny_llama),
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+
+
+def test_cli_help():
+    for cmd in ("generate", "chat"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "nanovllm", cmd, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0 and "--model" in proc.stdout and "--temperature" in proc.stdout
