@@ -60,11 +60,11 @@ def build_tokenizer_files(path: Path, vocab_size: int = 400) -> None:
     )
 
 
-def build_tiny_model(path: Path, arch: str, seed: int = 0) -> Path:
+def build_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     """A 2-layer randomly initialized model of the given family, saved in HF layout."""
     import transformers
 
-    spec = dict(TINY_ARCHS[arch])
+    spec = dict(TINY_ARCHS[arch], **overrides)
     path.mkdir(parents=True, exist_ok=True)
     build_tokenizer_files(path)
     config_cls = transformers.AutoConfig.for_model(spec.pop("model_type")).__class__

@@ -1,0 +1,395 @@
+"""The scheduler driven like the engine does it, with a fake model and no torch."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.config import POLICIES, EngineConfig
+from nanovllm.core.sampling_params import SamplingParams
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
+
+EOS = 2
+STOP_ID = 5
+
+
+def make_scheduler(
+    policy: str = "fair",
+    *,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 4,
+    max_num_batched_tokens: int = 16,
+    max_model_len: int = 64,
+    prefix_caching: bool = True,
+) -> Scheduler:
+    config = EngineConfig(
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        scheduling_policy=policy,
+    )
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    return Scheduler(config, bm, max_model_len, eos_token_ids={EOS})
+
+
+def default_token(seq: Sequence) -> int:
+    """What the fake model samples: a function of the sequence and position, never EOS."""
+    return 10 + (seq.seq_id * 7 + seq.num_tokens) % 50
+
+
+class FakeEngine:
+    """Runs schedule -> fake forward -> postprocess and checks the invariants of each step.
+
+    The fake KV cache stores, in each slot, the token prefix whose last K/V lives there,
+    so a sequence reading a slot someone else wrote (a prefix hit) is checked exactly.
+    """
+
+    def __init__(self, sched: Scheduler, next_token=default_token) -> None:
+        self.sched = sched
+        self.next_token = next_token
+        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.seqs: list[Sequence] = []
+        self.finished: set[int] = set()
+
+    def add(self, prompt: list[int], **params) -> Sequence:
+        seq = Sequence(len(self.seqs), prompt, SamplingParams(**params))
+        self.seqs.append(seq)
+        self.sched.add(seq)
+        return seq
+
+    def step(self) -> list[tuple[int, int]]:
+        """One engine step; returns (seq_id, num_scheduled_tokens) per batch row."""
+        sched = self.sched
+        before = list(sched.running)
+        batch = sched.schedule()
+        check_schedule(sched, batch, before)
+        rows = [(s.seq_id, s.num_scheduled_tokens) for s in batch.seqs]
+        self._forward(batch.seqs)
+        tokens = [self.next_token(s) for s in batch.sampling_seqs]
+        for seq in sched.postprocess(batch, tokens):
+            assert seq.is_finished and seq.finish_reason is not None
+        self.check_after_step()
+        return rows
+
+    def _forward(self, seqs: list[Sequence]) -> None:
+        bs = self.sched.block_manager.block_size
+        for seq in seqs:
+            slots = [(b, i) for b in seq.block_table for i in range(bs)]
+            for p in range(seq.num_computed_tokens):  # the context it attends to
+                assert self.kv.get(slots[p]) == tuple(seq.token_ids[: p + 1]), (seq, p)
+            end = seq.num_computed_tokens + seq.num_scheduled_tokens
+            for p in range(seq.num_computed_tokens, end):
+                self.kv[slots[p]] = tuple(seq.token_ids[: p + 1])
+
+    def check_after_step(self) -> None:
+        sched = self.sched
+        live = list(sched.waiting) + sched.running
+        sched.block_manager.check_invariants(live)
+        for seq in self.seqs:
+            if seq.is_finished:
+                assert seq.finish_reason is not None and seq.block_table == []
+                assert seq not in live
+                self.finished.add(seq.seq_id)
+            else:
+                assert seq.finish_reason is None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.sched.finish(seq, reason)
+        self.check_after_step()
+
+    def run(self, max_steps: int = 1000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished():
+                return
+            self.step()
+        raise AssertionError("the scheduler stopped making progress")
+
+
+def check_schedule(sched: Scheduler, batch, before: list[Sequence]) -> None:
+    """The per-step invariants of DESIGN.md and of each policy."""
+    bs = sched.block_manager.block_size
+    seqs = batch.seqs
+    assert len({id(s) for s in seqs}) == len(seqs) <= sched.max_num_seqs
+    assert len(sched.running) <= sched.max_num_seqs
+    assert batch.num_tokens <= sched.max_num_batched_tokens
+    for seq in seqs:
+        assert 1 <= seq.num_scheduled_tokens <= seq.num_tokens - seq.num_computed_tokens
+    blocks_for = lambda n: -(-n // bs)
+    for seq in sched.running:  # KV slots for every computed and scheduled token, no more
+        needed = seq.num_computed_tokens + seq.num_scheduled_tokens
+        assert len(seq.block_table) == blocks_for(needed)
+    preempted = [s for s in before if s.status == SequenceStatus.WAITING]
+    assert preempted == before[len(before) - len(preempted) :], "victims come from the tail"
+    kept = [s for s in before if s.status == SequenceStatus.RUNNING]
+    if sched.policy == "fair":
+        assert all(s in seqs for s in kept), "a running sequence did not advance"
+        assert all(s.status == SequenceStatus.RUNNING for s in seqs)
+    elif seqs and seqs[0] in before:  # prefill_first, a decode-only step
+        assert seqs == kept and all(s.num_scheduled_tokens == 1 for s in seqs)
+        assert all(not s.in_prefill for s in seqs)
+    else:  # prefill_first, a prefill-only step: only the first row may be a chunk
+        assert not any(s in before for s in seqs)
+        for seq in seqs[1:]:
+            assert seq.num_computed_tokens + seq.num_scheduled_tokens == seq.num_tokens
+        for seq in seqs:  # the whole block table before the first chunk
+            assert len(seq.block_table) == blocks_for(seq.num_tokens)
+
+
+def prompt(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+# ---- prefill_first ------------------------------------------------------------
+
+
+def test_prefill_first_first_step_takes_first_two_prompts_whole():
+    sched = make_scheduler("prefill_first", max_num_batched_tokens=16, max_num_seqs=3)
+    eng = FakeEngine(sched)
+    for i, n in enumerate((6, 7, 5)):
+        eng.add(prompt(n, 100 * i), max_tokens=4)
+    assert eng.step() == [(0, 6), (1, 7)]
+    assert eng.step() == [(2, 5)]  # prefill only: the decodes wait
+    for _ in range(3):
+        assert sched.running == eng.seqs
+        assert eng.step() == [(0, 1), (1, 1), (2, 1)]
+    assert not sched.has_unfinished()
+    assert all(s.num_output_tokens == 4 for s in eng.seqs)
+
+
+def test_prefill_first_chunks_only_the_first_prefill_of_a_step():
+    sched = make_scheduler("prefill_first", max_num_batched_tokens=8, block_size=4)
+    eng = FakeEngine(sched)
+    a = eng.add(prompt(3), max_tokens=2)
+    b = eng.add(prompt(10, 200), max_tokens=2)
+    assert eng.step() == [(0, 3)]  # b would need a chunk, but it is not first
+    assert eng.step() == [(1, 8)]  # now first: chunked, and a's decode waits
+    assert len(b.block_table) == 3 and b.status == SequenceStatus.WAITING
+    assert eng.step() == [(1, 2)]
+    assert eng.step() == [(0, 1), (1, 1)]
+    assert a.is_finished and b.is_finished
+
+
+# ---- fair ---------------------------------------------------------------------
+
+
+def test_fair_decodes_first_and_allocates_prompts_chunk_by_chunk():
+    sched = make_scheduler("fair", max_num_batched_tokens=8, block_size=4)
+    eng = FakeEngine(sched)
+    a = eng.add(prompt(3), max_tokens=5)
+    b = eng.add(prompt(20, 200), max_tokens=2)
+    assert eng.step() == [(0, 3), (1, 5)]
+    assert len(b.block_table) == 2  # 5 tokens, not the 5 blocks of the whole prompt
+    c = eng.add(prompt(6, 300), max_tokens=1)
+    assert eng.step() == [(0, 1), (1, 7)]
+    assert len(b.block_table) == 3
+    assert eng.step() == [(0, 1), (1, 7)]
+    assert eng.step() == [(0, 1), (1, 1), (2, 6)]
+    eng.run()
+    assert [s.num_output_tokens for s in (a, b, c)] == [5, 2, 1]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fair_advances_every_running_sequence_while_prompts_arrive(policy):
+    rng = random.Random(0)
+    sched = make_scheduler(policy, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=16)
+    eng = FakeEngine(sched)
+    stalled = 0
+    for _ in range(60):
+        eng.add(prompt(rng.randint(1, 30)), max_tokens=rng.randint(1, 10))
+        before = list(sched.running)
+        rows = dict(eng.step())
+        stalled += sum(s.seq_id not in rows for s in before)
+    eng.run()
+    assert sched.num_preemptions == 0
+    if policy == "fair":
+        assert stalled == 0
+    else:
+        assert stalled > 0  # the seed's policy stalls every decode for each new prompt
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_prompts_sharing_a_prefix_reuse_its_blocks(policy):
+    sched = make_scheduler(policy, block_size=4)
+    eng = FakeEngine(sched)
+    a = eng.add(prompt(10), max_tokens=4)
+    eng.step()
+    b = eng.add(prompt(8) + [1, 2, 3], max_tokens=2)  # shares two full blocks with a
+    eng.step()
+    assert b.num_cached_prefix_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    assert [sched.block_manager.blocks[i].ref_count for i in b.block_table[:2]] == [2, 2]
+    eng.run()
+    c = eng.add(prompt(10), max_tokens=2)  # after both finished, the blocks are still cached
+    eng.run()
+    assert c.num_cached_prefix_tokens == 8
+    assert (sched.prefix_hits, sched.prefix_queries) == (16, 10 + 11 + 10)
+
+
+# ---- preemption, finishing ------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_preemption_recomputes_the_tail_and_keeps_every_token(policy):
+    def run(num_blocks: int) -> tuple[Scheduler, list[Sequence]]:
+        sched = make_scheduler(policy, num_blocks=num_blocks, max_model_len=24)
+        eng = FakeEngine(sched)
+        seqs = [eng.add(prompt(8, 100 * i), max_tokens=10) for i in range(3)]
+        eng.run()
+        return sched, seqs
+
+    roomy, expected = run(num_blocks=64)
+    tight, seqs = run(num_blocks=6)  # one 24-token sequence fits, three do not
+    assert roomy.num_preemptions == 0
+    assert tight.num_preemptions > 0
+    assert sum(s.num_preemptions for s in seqs) == tight.num_preemptions
+    assert seqs[0].num_preemptions == 0  # the head of `running` is never the victim
+    for got, want in zip(seqs, expected, strict=True):
+        assert got.finish_reason == want.finish_reason == FinishReason.LENGTH
+        assert got.token_ids == want.token_ids and got.num_output_tokens == 10
+    assert tight.block_manager.num_free_blocks == 6
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_finishing_a_sequence_mid_prefill_frees_its_blocks(policy):
+    sched = make_scheduler(policy, max_num_batched_tokens=8, block_size=4)
+    eng = FakeEngine(sched)
+    seq = eng.add(prompt(20), max_tokens=3)
+    assert eng.step() == [(0, 8)]
+    assert seq.in_prefill and seq.block_table
+    eng.finish(seq, FinishReason.ABORT)
+    assert seq.block_table == [] and seq.finish_reason == FinishReason.ABORT
+    assert not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    eng.finish(seq, FinishReason.STOP)  # a second finish changes nothing
+    assert seq.finish_reason == FinishReason.ABORT
+
+
+def test_waiting_and_running_sequences_can_be_aborted():
+    sched = make_scheduler(max_num_seqs=1)
+    eng = FakeEngine(sched)
+    a = eng.add(prompt(5), max_tokens=8)
+    b = eng.add(prompt(5, 200), max_tokens=8)
+    eng.step()
+    assert sched.running == [a] and list(sched.waiting) == [b]
+    eng.finish(b, FinishReason.ABORT)
+    eng.finish(a, FinishReason.TIMEOUT)
+    assert (a.finish_reason, b.finish_reason) == (FinishReason.TIMEOUT, FinishReason.ABORT)
+    assert not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_stop_conditions():
+    script = {0: [7, EOS], 1: [7, EOS, 9], 2: [7, STOP_ID], 3: [7, 7, 7], 4: [EOS, 7, EOS]}
+
+    def next_token(seq: Sequence) -> int:
+        return script[seq.seq_id][seq.num_output_tokens]
+
+    sched = make_scheduler(max_model_len=12)
+    eng = FakeEngine(sched, next_token)
+    eos = eng.add(prompt(4), ignore_eos=False)
+    ignore = eng.add(prompt(4), ignore_eos=True, max_tokens=3)
+    stop = eng.add(prompt(4), stop_token_ids=[STOP_ID])
+    long = eng.add(prompt(10), max_tokens=None)
+    min_tokens = eng.add(prompt(4), ignore_eos=False, min_tokens=2)
+    eng.run()
+    assert (eos.finish_reason, eos.output_token_ids) == (FinishReason.STOP, [7, EOS])
+    assert (ignore.finish_reason, ignore.output_token_ids) == (FinishReason.LENGTH, [7, EOS, 9])
+    assert (stop.finish_reason, stop.stop_reason) == (FinishReason.STOP, STOP_ID)
+    assert (long.finish_reason, long.num_tokens) == (FinishReason.LENGTH, 12)  # max_model_len
+    assert min_tokens.output_token_ids == [EOS, 7, EOS]
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+# ---- every mix of requests --------------------------------------------------------
+
+
+def expected_output(seq: Sequence, script: list[int], max_model_len: int):
+    """The tokens and finish reason a request gets when nothing interferes."""
+    sp = seq.sampling_params
+    out: list[int] = []
+    for token in script:
+        out.append(token)
+        if token == EOS or token in sp.stop_token_ids:
+            return out, FinishReason.STOP
+        if len(out) == sp.max_tokens or seq.num_prompt_tokens + len(out) >= max_model_len:
+            return out, FinishReason.LENGTH
+    raise AssertionError("script too short")
+
+
+@settings(max_examples=1000, deadline=None, database=None)
+@given(st.data())
+def test_random_mix_of_requests_returns_every_block(data):
+    policy = data.draw(st.sampled_from(POLICIES), label="policy")
+    block_size = data.draw(st.sampled_from([1, 2, 4, 8]), label="block_size")
+    max_len = data.draw(st.integers(4, 40), label="max_model_len")
+    max_num_seqs = data.draw(st.integers(1, 6), label="max_num_seqs")
+    budget = data.draw(st.integers(max_num_seqs, 40), label="max_num_batched_tokens")
+    per_seq = -(-max_len // block_size)
+    num_blocks = data.draw(st.integers(per_seq, 2 * per_seq), label="num_blocks")
+    prefix_caching = data.draw(st.booleans(), label="prefix caching")
+    lengths = st.integers(1, max_len - 1)
+    requests = data.draw(
+        st.lists(  # (steps after the previous arrival, prompt length, shared prefix, max_tokens)
+            st.tuples(st.integers(0, 2), lengths, st.integers(0, max_len), st.integers(1, max_len)),
+            min_size=1,
+            max_size=12,
+        ),
+        label="requests",
+    )
+    rng = random.Random(data.draw(st.integers(0, 2**32), label="seed"))  # token values
+
+    sched = make_scheduler(
+        policy,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_len,
+        prefix_caching=prefix_caching,
+    )
+    scripts: dict[int, list[int]] = {}  # what the fake model samples, per request
+    eng = FakeEngine(sched, lambda seq: scripts[seq.seq_id][seq.num_output_tokens])
+    bases = [[rng.randrange(20) for _ in range(max_len)] for _ in range(2)]
+    aborted: set[int] = set()
+    arrival_step = 0
+    pending = list(requests)
+
+    for step in range(2000):
+        while pending and arrival_step + pending[0][0] <= step:
+            gap, length, shared, max_tokens = pending.pop(0)
+            arrival_step += gap
+            shared = min(shared, length)  # a shared prefix exercises the cache
+            tail = [rng.randrange(20) for _ in range(length - shared)]
+            tokens = rng.choice(bases)[:shared] + tail
+            script = [rng.choice((EOS, STOP_ID) + (7,) * 30) for _ in range(max_len)]
+            scripts[len(eng.seqs)] = script
+            stop_ids = [STOP_ID] if rng.random() < 0.5 else None
+            eng.add(tokens, max_tokens=max_tokens, ignore_eos=False, stop_token_ids=stop_ids)
+        live = list(sched.waiting) + sched.running
+        if live and data.draw(st.integers(0, 11), label="abort?") == 0:
+            mid_prefill = [s for s in live if s.in_prefill and s.block_table]
+            pool = mid_prefill if mid_prefill and data.draw(st.booleans()) else live
+            victim = data.draw(st.sampled_from(pool), label="victim")
+            eng.finish(victim, FinishReason.ABORT)
+            aborted.add(victim.seq_id)
+        if not pending and not sched.has_unfinished():
+            break
+        eng.step()
+    else:
+        raise AssertionError("the scheduler stopped making progress")
+
+    assert eng.finished == {s.seq_id for s in eng.seqs}
+    for seq in eng.seqs:
+        out, reason = expected_output(seq, scripts[seq.seq_id], max_len)
+        if seq.seq_id in aborted:
+            assert seq.finish_reason == FinishReason.ABORT
+            assert out[: seq.num_output_tokens] == seq.output_token_ids
+        else:  # preemption and prefix hits change nothing
+            assert (seq.output_token_ids, seq.finish_reason) == (out, reason)
+    bm = sched.block_manager
+    bm.check_invariants([])
+    assert bm.num_free_blocks == bm.num_blocks
