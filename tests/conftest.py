@@ -8,6 +8,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():  # Triton kernels then run in its CPU interpreter; must
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # be set before triton is first imported
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -54,6 +54,10 @@ VARIANTS = {
         max_num_seqs=8,
     ),
     "no_prefix_cache": dict(enable_prefix_caching=False, block_size=4),
+    # overlap runs the engine's deferred-token path even on CPU (launch is synchronous there)
+    "overlap": dict(overlap=True, max_num_batched_tokens=8, max_num_seqs=4, block_size=4),
+    "overlap_preempt": dict(overlap=True, num_kv_blocks=24, block_size=4, max_model_len=96,
+                            max_num_seqs=8),
 }
 
 

@@ -20,7 +20,8 @@ class EngineConfig:
     scheduling_policy: str = "fair"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # no CUDA graphs
+    overlap: bool | None = None  # schedule step N+1 while the GPU runs step N (None: on GPU)
     seed: int = 0
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
 

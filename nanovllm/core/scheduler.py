@@ -5,6 +5,8 @@ from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.config import EngineConfig
 from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
 
+PLACEHOLDER = -1  # a sampled token still on the device
+
 
 @dataclass
 class ScheduledBatch:
@@ -41,7 +43,10 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
     ) -> None:
         self.policy = config.scheduling_policy
@@ -143,6 +148,8 @@ class Scheduler:
         queue = deque(self.running)
         while queue and len(kept) < self.max_num_seqs:
             seq = queue.popleft()
+            if self._will_stop_by_length(seq):
+                continue
             while not bm.allocate(seq, 1):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
@@ -162,8 +169,8 @@ class Scheduler:
         order = [s for s in self.running if not s.in_prefill]
         order += [s for s in self.running if s.in_prefill]
         for seq in order:
-            if seq.status != SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status != SequenceStatus.RUNNING or self._will_stop_by_length(seq):
+                continue  # preempted earlier in this loop, or ending with its last token
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n <= 0:
                 continue
@@ -212,18 +219,46 @@ class Scheduler:
         """
         sampling = batch.sampling_seqs
         assert len(sampling) == len(token_ids)
+        self.advance(batch)
+        return [seq for seq in self.resolve(sampling, token_ids) if seq.is_finished]
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The batch was launched: count its tokens as computed and give each sampling row
+        a placeholder token, so the next step can be scheduled before the sampled tokens
+        reach the host (CPU/GPU overlap). `resolve` replaces the placeholders."""
         for seq in batch.seqs:
+            if seq.is_finished:
+                continue  # aborted or stopped while in flight
+            samples = seq.num_computed_tokens + seq.num_scheduled_tokens == seq.num_tokens
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.register_full_blocks(seq)
-        finished = []
-        for seq, token_id in zip(sampling, token_ids, strict=True):
-            seq.append_token(token_id)
+            if samples:
+                seq.append_token(PLACEHOLDER)
+
+    def resolve(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Put the sampled tokens in place of the placeholders and finish sequences that stop.
+
+        Returns the sequences that took their token (not those that ended in flight).
+        """
+        accepted = []
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            if seq.is_finished:
+                continue
+            assert seq.token_ids[-1] == PLACEHOLDER, seq
+            seq.token_ids[-1] = token_id
+            accepted.append(seq)
             reason = self._check_stop(seq, token_id)
             if reason is not None:
                 self.finish(seq, *reason)
-                finished.append(seq)
-        return finished
+        return accepted
+
+    def _will_stop_by_length(self, seq: Sequence) -> bool:
+        # a placeholder that will end the sequence needs no further step
+        max_tokens = seq.sampling_params.max_tokens
+        return seq.num_tokens >= self.max_model_len or (
+            max_tokens is not None and seq.num_output_tokens >= max_tokens
+        )
 
     def _check_stop(self, seq: Sequence, token_id: int):
         sp = seq.sampling_params

@@ -15,7 +15,7 @@ from nanovllm.engine.outputs import CompletionOutput, RequestOutput
 from nanovllm.engine.tokenizer import Tokenizer
 from nanovllm.model.config import ModelConfig
 from nanovllm.model.loader.source import open_model
-from nanovllm.worker.model_runner import ModelRunner
+from nanovllm.worker.model_runner import ModelRunner, StepHandle
 
 log = logging.getLogger("nanovllm")
 
@@ -56,7 +56,9 @@ class LLMEngine:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(
             self.model_config.eos_token_ids
         )
-        self.runner = ModelRunner(config, source, self.model_config, config.max_model_len)
+        self.runner = ModelRunner(
+            config, source, self.model_config, config.max_model_len, self.eos_token_ids
+        )
         kv_tokens = self.runner.num_blocks * config.block_size
         model_len = self.model_config.max_position_embeddings
         if config.max_model_len is None:
@@ -75,6 +77,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config, self.block_manager, self.max_model_len, self.eos_token_ids
         )
+        self.runner.capture_graphs(self.max_model_len)
+        on_gpu = self.runner.device.type == "cuda"
+        self.overlap = on_gpu if config.overlap is None else config.overlap
+        self._inflight: StepHandle | None = None
         self.requests: dict[str, Request] = {}
         self._owner: dict[int, tuple[Request, int]] = {}  # seq id -> (request, completion index)
         self._seq_counter = itertools.count()
@@ -170,29 +176,35 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- the loop -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns the requests whose state changed."""
+        """Run one scheduled batch; returns the requests whose state changed.
+
+        With overlap on, the batch is queued on the GPU and the previous step's tokens are
+        processed while it runs: outputs then trail the GPU by one step.
+        """
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        sampled = batch.sampling_seqs
-        num_decode = sum(1 for s in batch.seqs if s.num_scheduled_tokens == 1 and s in sampled)
-        self.num_decode_tokens += num_decode
-        self.num_prefill_tokens += batch.num_tokens - num_decode
-        self.num_steps += 1
-        out = self.runner.run(batch, self.eos_token_ids)
-        self.scheduler.postprocess(batch, out.token_ids)
         touched: dict[str, Request] = {}
-        for seq, logprobs in zip(sampled, out.logprobs):
-            req, i = self._owner[seq.seq_id]
-            if logprobs is not None:
-                seq.logprobs.append(logprobs)
-            self._update_text(req, i, seq)
-            touched[req.request_id] = req
+        if self._inflight is not None and not self._can_overlap(batch):
+            self._resolve(self._inflight, touched)
+            self._inflight = None
+            batch.seqs = [s for s in batch.seqs if not s.is_finished]
+        handle = None
+        if batch:
+            self._count(batch)
+            handle = self.runner.launch(batch, self._inflight)
+        if self._inflight is not None:
+            self._resolve(self._inflight, touched)
+            self._inflight = None
+        if batch:
+            self.scheduler.advance(batch)
+            if self.overlap:
+                self._inflight = handle
+            else:
+                self._resolve(handle, touched)
         outputs = []
         for req in touched.values():
             outputs.append(self._make_output(req))
@@ -201,6 +213,30 @@ class LLMEngine:
                 for seq in req.seqs:
                     del self._owner[seq.seq_id]
         return outputs
+
+    def _can_overlap(self, batch) -> bool:
+        # penalties count the previous token, so they need it on the host first
+        return self.overlap and not any(s.sampling_params.uses_penalties for s in batch.seqs)
+
+    def _count(self, batch) -> None:
+        sampled = batch.sampling_seqs
+        num_decode = sum(1 for s in sampled if s.num_scheduled_tokens == 1)
+        self.num_decode_tokens += num_decode
+        self.num_prefill_tokens += batch.num_tokens - num_decode
+        self.num_steps += 1
+
+    def _resolve(self, handle: StepHandle, touched: dict[str, Request]) -> None:
+        out = self.runner.collect(handle)
+        logprobs = dict(zip((s.seq_id for s in handle.seqs), out.logprobs, strict=True))
+        for seq in self.scheduler.resolve(handle.seqs, out.token_ids):
+            owner = self._owner.get(seq.seq_id)
+            if owner is None:
+                continue
+            req, i = owner
+            if logprobs[seq.seq_id] is not None:
+                seq.logprobs.append(logprobs[seq.seq_id])
+            self._update_text(req, i, seq)
+            touched[req.request_id] = req
 
     def _update_text(self, req: Request, i: int, seq: Sequence) -> None:
         detok = req.detoks[i]

@@ -7,12 +7,13 @@ import torch
 from nanovllm.core.config import EngineConfig
 from nanovllm.core.errors import ConfigError
 from nanovllm.core.scheduler import ScheduledBatch
-from nanovllm.model.attention.metadata import AttentionMetadata
+from nanovllm.core.sequence import Sequence
 from nanovllm.model.config import ModelConfig
-from nanovllm.model.layers.sampler import sample
+from nanovllm.model.layers.sampler import SamplerOutput, sample
 from nanovllm.model.loader.source import ModelSource
 from nanovllm.model.loader.weights import load_weights
 from nanovllm.model.models.registry import build_model
+from nanovllm.worker.inputs import StepInputs, prepare_inputs
 from nanovllm.worker.sampling_metadata import build_sampling_tensors
 
 log = logging.getLogger("nanovllm")
@@ -27,6 +28,18 @@ class StepOutput:
 
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+
+
+@dataclass
+class StepHandle:
+    """A launched step whose sampled tokens may still be on the device."""
+
+    seqs: list[Sequence]  # the sampling rows, in order
+    rows: dict[int, int]  # seq id -> row, for the next step's placeholder tokens
+    out: SamplerOutput | None
+    host_tokens: torch.Tensor | None  # pinned copy of out.token_ids
+    event: torch.cuda.Event | None
+    want_logprobs: bool
 
 
 def resolve_device(name: str) -> torch.device:
@@ -49,7 +62,11 @@ def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dt
 
 
 class ModelRunner:
-    """Owns the model and its KV cache; turns a scheduled batch into one forward pass."""
+    """Owns the model and its KV cache; turns a scheduled batch into one forward pass.
+
+    `launch` queues the step on the device and returns at once on a GPU; `collect` waits
+    for its sampled tokens. Between the two the engine can schedule the next step.
+    """
 
     def __init__(
         self,
@@ -57,9 +74,11 @@ class ModelRunner:
         source: ModelSource,
         model_config: ModelConfig,
         max_model_len: int | None,
+        eos_token_ids: set[int],
     ) -> None:
         self.config = config
         self.model_config = model_config
+        self.eos_token_ids = eos_token_ids
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         self.block_size = config.block_size
@@ -78,6 +97,7 @@ class ModelRunner:
         self.model.eval()
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        self.graphs = None
 
     # ---- KV cache -------------------------------------------------------------
 
@@ -93,21 +113,73 @@ class ModelRunner:
         if self.config.kv_cache_gib is not None:
             budget = self.config.kv_cache_gib * 2**30
         elif self.device.type == "cuda":
+            peak = self._profile_activation_bytes()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            # keep headroom for activations of the largest batch
-            act = self.config.max_num_batched_tokens * self.model_config.hidden_size * 64
-            budget = total * self.config.gpu_memory_utilization - used - act
+            budget = free - total * (1 - self.config.gpu_memory_utilization) - peak
         else:
             budget = CPU_KV_CACHE_GIB * 2**30
         num = int(budget // per_block)
         if num < 1:
             raise ConfigError(
-                "no memory left for the KV cache; raise gpu_memory_utilization or kv_cache_gib"
+                "no memory left for the KV cache; raise gpu_memory_utilization or kv_cache_gib, "
+                "or lower max_num_batched_tokens"
             )
         return num
 
-    def _allocate_kv_cache(self) -> None:
+    @torch.inference_mode()
+    def _profile_activation_bytes(self) -> int:
+        """Peak memory of the largest step: a full token budget of prefill, then sampling."""
+        cfg = self.config
+        tokens = cfg.max_num_batched_tokens
+        row_len = min(tokens, self.model_config.max_position_embeddings)
+        rows = -(-tokens // row_len)
+        blocks = rows * -(-row_len // self.block_size)
+        self.num_blocks = blocks
+        self._allocate_kv_cache(quiet=True)
+        seqs = []
+        for i in range(rows):
+            n = min(row_len, tokens - i * row_len)
+            seq = Sequence(-1 - i, [0] * n, _PROFILE_PARAMS)
+            first = i * (blocks // rows)
+            seq.block_table = list(range(first, first + -(-n // self.block_size)))
+            seq.num_scheduled_tokens = n
+            seqs.append(seq)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        inputs = prepare_inputs(ScheduledBatch(seqs), self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        del hidden
+        # sampling is largest at max_num_seqs rows of logits
+        logits = self.model.compute_logits(
+            torch.zeros(
+                cfg.max_num_seqs,
+                self.model_config.hidden_size,
+                device=self.device,
+                dtype=self.dtype,
+            )
+        )
+        sample(
+            logits,
+            build_sampling_tensors(
+                [_PROFILE_PARAMS] * cfg.max_num_seqs,
+                [[0]] * cfg.max_num_seqs,
+                [[]] * cfg.max_num_seqs,
+                set(),
+                logits.shape[-1],
+                self.device,
+            ),
+        )
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del logits
+        self.kv_cache = None
+        for attn in self.model.attention_layers():
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        return peak
+
+    def _allocate_kv_cache(self, quiet: bool = False) -> None:
         cfg = self.model_config
         shape = (
             2,
@@ -129,97 +201,116 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
-        gib = self.kv_cache.numel() * self.kv_cache.element_size() / 2**30
-        log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s)",
-            self.num_blocks,
-            self.block_size,
-            self.num_blocks * self.block_size,
-            gib,
-            self.dtype,
+        if not quiet:
+            gib = self.kv_cache.numel() * self.kv_cache.element_size() / 2**30
+            log.info(
+                "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s)",
+                self.num_blocks,
+                self.block_size,
+                self.num_blocks * self.block_size,
+                gib,
+                self.dtype,
+            )
+
+    # ---- CUDA graphs ------------------------------------------------------------
+
+    def capture_graphs(self, max_model_len: int) -> None:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        from nanovllm.worker.cuda_graph import DecodeGraphs
+
+        self.graphs = DecodeGraphs(
+            self.model, self.config.max_num_seqs, max_model_len, self.block_size, self.device
         )
+        self.graphs.capture()
+        log.info("captured CUDA graphs for decode batch sizes %s", self.graphs.sizes)
 
     # ---- one step ---------------------------------------------------------------
 
-    def prepare(
-        self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        logits_indices: list[int] = []
-        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        tables: list[list[int]] = []
-        for seq in batch.seqs:
-            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-            end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            pos = start
-            while pos < end:  # one contiguous run of slots per block
-                block, offset = divmod(pos, bs)
-                run = min(bs - offset, end - pos)
-                base = table[block] * bs + offset
-                slots.extend(range(base, base + run))
-                pos += run
-            query_lens.append(n)
-            context_lens.append(end)
-            tables.append(table + [0] * (max_blocks - len(table)))
-            if end == seq.num_tokens:
-                logits_indices.append(len(input_ids) - 1)
-        dev = self.device
-
-        def tensor(data, dtype):
-            return torch.tensor(data, dtype=dtype, device=dev)
-
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            query_start_loc=tensor(starts, torch.int32),
-            context_lens=tensor(context_lens, torch.int32),
-            block_tables=tensor(tables, torch.int32),
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-            query_lens_host=query_lens,
-            context_lens_host=context_lens,
-        )
-        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, logits_indices
-
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> StepOutput:
-        input_ids, positions, meta, logits_indices = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
-        if not logits_indices:
-            return StepOutput([], [])
-        logits = self.model.compute_logits(hidden[logits_indices])
+    def launch(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
+        """Queue one forward pass and sampling; tokens of `prev` still on the device are
+        read there (CPU/GPU overlap)."""
         seqs = batch.sampling_seqs
+        inputs = prepare_inputs(batch, self.block_size, self.device)
+        self._fill_placeholders(inputs, prev)
+        logits = self._logits(inputs)
+        want_logprobs = any(s.sampling_params.logprobs is not None for s in seqs)
+        if not seqs:
+            return StepHandle([], {}, None, None, None, False)
         tensors = build_sampling_tensors(
             [s.sampling_params for s in seqs],
             [s.token_ids[: s.num_prompt_tokens] for s in seqs],
             [s.output_token_ids for s in seqs],
-            eos_token_ids,
+            self.eos_token_ids,
             logits.shape[-1],
             self.device,
         )
         out = sample(logits, tensors)
-        token_ids = out.token_ids.tolist()
-        logprobs: list[dict[int, float] | None] = [None] * len(seqs)
-        if tensors.max_logprobs > 0 or any(s.sampling_params.logprobs is not None for s in seqs):
+        rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        if self.device.type == "cuda":
+            host = torch.empty(out.token_ids.shape, dtype=out.token_ids.dtype, pin_memory=True)
+            host.copy_(out.token_ids, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            return StepHandle(seqs, rows, out, host, event, want_logprobs)
+        return StepHandle(seqs, rows, out, out.token_ids, None, want_logprobs)
+
+    def _fill_placeholders(self, inputs: StepInputs, prev: StepHandle | None) -> None:
+        if not inputs.placeholder_positions:
+            return
+        assert prev is not None and prev.out is not None, "a placeholder with no step in flight"
+        src = [prev.rows[seq_id] for seq_id in inputs.placeholder_seq_ids]
+        dst = torch.tensor(inputs.placeholder_positions, dtype=torch.int64)
+        src_t = torch.tensor(src, dtype=torch.int64)
+        if self.device.type == "cuda":
+            dst = dst.pin_memory().to(self.device, non_blocking=True)
+            src_t = src_t.pin_memory().to(self.device, non_blocking=True)
+        inputs.input_ids.index_copy_(0, dst, prev.out.token_ids.index_select(0, src_t))
+
+    def _logits(self, inputs: StepInputs) -> torch.Tensor:
+        if (
+            self.graphs is not None
+            and inputs.decode_only
+            and self.graphs.can_run(inputs.num_sampling_rows)
+        ):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if inputs.num_sampling_rows == 0:
+            return hidden[:0]
+        return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+
+    def collect(self, handle: StepHandle) -> StepOutput:
+        """Wait for a launched step's tokens (and logprobs) and bring them to the host."""
+        if handle.out is None:
+            return StepOutput([], [])
+        if handle.event is not None:
+            handle.event.synchronize()
+        token_ids = handle.host_tokens.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(handle.seqs)
+        if handle.want_logprobs:
+            out = handle.out
             lp = out.logprobs.tolist()
             top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
             top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            for i, seq in enumerate(seqs):
+            for i, seq in enumerate(handle.seqs):
                 k = seq.sampling_params.logprobs
                 if k is None:
                     continue
                 entry = {token_ids[i]: lp[i]}
                 if top_ids is not None:
-                    entry.update(zip(top_ids[i][:k], top_lps[i][:k]))
+                    entry.update(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
                 logprobs[i] = entry
         return StepOutput(token_ids, logprobs)
+
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        return self.collect(self.launch(batch))
+
+
+def _profile_params():
+    from nanovllm.core.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
+
+
+_PROFILE_PARAMS = _profile_params()

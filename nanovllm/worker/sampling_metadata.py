@@ -2,6 +2,7 @@ import torch
 
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.model.layers.sampler import SamplingTensors
+from nanovllm.worker.staging import to_device
 
 _SEED_MASK = 2**63 - 1  # any Python int seed maps into int64's non-negative range
 
@@ -23,19 +24,20 @@ def build_sampling_tensors(
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     seeded = [i for i in random_rows if params[i].seed is not None]
     # one host-to-device copy per dtype instead of one per field
-    floats = torch.tensor(
+    device = torch.device(device)
+    floats = to_device(
         [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
-        dtype=torch.float32,
-        device=device,
+        torch.float32,
+        device,
     )
-    ints = torch.tensor(
+    ints = to_device(
         [
             [min(p.top_k, vocab_size) for p in params],
             [-1 if p.seed is None else p.seed & _SEED_MASK for p in params],
             [len(out) for out in output_ids],
         ],
-        dtype=torch.long,
-        device=device,
+        torch.long,
+        device,
     )
     t = SamplingTensors(
         temperatures=floats[0],
@@ -45,7 +47,7 @@ def build_sampling_tensors(
         seeds=ints[1],
         seed_offsets=ints[2],
         min_tokens_mask=_min_tokens_mask(params, output_ids, eos_token_ids, vocab_size, device),
-        seeded_rows=torch.tensor(seeded, dtype=torch.long, device=device) if seeded else None,
+        seeded_rows=to_device(seeded, torch.long, device) if seeded else None,
         max_logprobs=max((p.logprobs or 0 for p in params), default=0),
         all_greedy=not random_rows,
         any_greedy=len(random_rows) < len(params),
@@ -67,14 +69,14 @@ def _add_penalties(
     vocab_size: int,
     device: torch.device | str,
 ) -> None:
-    penalties = torch.tensor(
+    penalties = to_device(
         [
             [p.repetition_penalty for p in params],
             [p.presence_penalty for p in params],
             [p.frequency_penalty for p in params],
         ],
-        dtype=torch.float32,
-        device=device,
+        torch.float32,
+        device,
     )
     t.repetition_penalties, t.presence_penalties, t.frequency_penalties = penalties.unbind(0)
     # rows without penalties contribute no tokens, so they ship and scatter nothing
@@ -102,8 +104,8 @@ def _add_penalties(
 def _padded(rows: list[list[int]], pad: int, device: torch.device | str) -> torch.Tensor:
     # pad with the id one past the vocab: it scatters into a spare column that is cut off
     width = max((len(r) for r in rows), default=0)
-    return torch.tensor(
-        [r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device
+    return to_device(
+        [r + [pad] * (width - len(r)) for r in rows], torch.long, torch.device(device)
     ).view(len(rows), width)
 
 
@@ -127,7 +129,5 @@ def _min_tokens_mask(
         cols += ids
     if not rows:
         return None
-    return (
-        torch.tensor(rows, dtype=torch.long, device=device),
-        torch.tensor(cols, dtype=torch.long, device=device),
-    )
+    device = torch.device(device)
+    return to_device(rows, torch.long, device), to_device(cols, torch.long, device)
