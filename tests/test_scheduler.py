@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.config import POLICIES, EngineConfig
 from nanovllm.core.sampling_params import SamplingParams
-from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.scheduler import PLACEHOLDER, Scheduler
 from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
 
 EOS = 2
@@ -49,9 +49,11 @@ class FakeEngine:
     so a sequence reading a slot someone else wrote (a prefix hit) is checked exactly.
     """
 
-    def __init__(self, sched: Scheduler, next_token=default_token) -> None:
+    def __init__(self, sched: Scheduler, next_token=default_token, overlap: bool = False) -> None:
         self.sched = sched
         self.next_token = next_token
+        self.overlap = overlap  # resolve each step's tokens one step later, as on a GPU
+        self.inflight: tuple[list[Sequence], list[int]] | None = None
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
         self.seqs: list[Sequence] = []
         self.finished: set[int] = set()
@@ -69,22 +71,35 @@ class FakeEngine:
         batch = sched.schedule()
         check_schedule(sched, batch, before)
         rows = [(s.seq_id, s.num_scheduled_tokens) for s in batch.seqs]
-        self._forward(batch.seqs)
-        tokens = [self.next_token(s) for s in batch.sampling_seqs]
-        for seq in sched.postprocess(batch, tokens):
-            assert seq.is_finished and seq.finish_reason is not None
+        on_device = {}
+        if self.inflight is not None:
+            on_device = {s.seq_id: t for s, t in zip(*self.inflight, strict=True)}
+        self._forward(batch.seqs, on_device)
+        sampling = batch.sampling_seqs
+        tokens = [self.next_token(s) for s in sampling]
+        if not self.overlap:
+            for seq in sched.postprocess(batch, tokens):
+                assert seq.is_finished and seq.finish_reason is not None
+        else:
+            if self.inflight is not None:
+                sched.resolve(*self.inflight)
+            sched.advance(batch)
+            self.inflight = (sampling, tokens) if sampling else None
         self.check_after_step()
         return rows
 
-    def _forward(self, seqs: list[Sequence]) -> None:
+    def _forward(self, seqs: list[Sequence], on_device: dict[int, int]) -> None:
         bs = self.sched.block_manager.block_size
         for seq in seqs:
             slots = [(b, i) for b in seq.block_table for i in range(bs)]
+            tokens = list(seq.token_ids)
+            if tokens[-1] == PLACEHOLDER:  # the model reads it from the previous step's output
+                tokens[-1] = on_device[seq.seq_id]
             for p in range(seq.num_computed_tokens):  # the context it attends to
-                assert self.kv.get(slots[p]) == tuple(seq.token_ids[: p + 1]), (seq, p)
+                assert self.kv.get(slots[p]) == tuple(tokens[: p + 1]), (seq, p)
             end = seq.num_computed_tokens + seq.num_scheduled_tokens
             for p in range(seq.num_computed_tokens, end):
-                self.kv[slots[p]] = tuple(seq.token_ids[: p + 1])
+                self.kv[slots[p]] = tuple(tokens[: p + 1])
 
     def check_after_step(self) -> None:
         sched = self.sched
@@ -102,9 +117,12 @@ class FakeEngine:
         self.sched.finish(seq, reason)
         self.check_after_step()
 
+    def has_work(self) -> bool:
+        return self.sched.has_unfinished() or self.inflight is not None
+
     def run(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):
-            if not self.sched.has_unfinished():
+            if not self.has_work():
                 return
             self.step()
         raise AssertionError("the scheduler stopped making progress")
@@ -125,7 +143,12 @@ def check_schedule(sched: Scheduler, batch, before: list[Sequence]) -> None:
         assert len(seq.block_table) == blocks_for(needed)
     preempted = [s for s in before if s.status == SequenceStatus.WAITING]
     assert preempted == before[len(before) - len(preempted) :], "victims come from the tail"
-    kept = [s for s in before if s.status == SequenceStatus.RUNNING]
+    # a sequence whose in-flight token is its last (by length) needs no step
+    kept = [
+        s
+        for s in before
+        if s.status == SequenceStatus.RUNNING and not sched._will_stop_by_length(s)
+    ]
     if sched.policy == "fair":
         assert all(s in seqs for s in kept), "a running sequence did not advance"
         assert all(s.status == SequenceStatus.RUNNING for s in seqs)
@@ -331,6 +354,7 @@ def test_random_mix_of_requests_returns_every_block(data):
     per_seq = -(-max_len // block_size)
     num_blocks = data.draw(st.integers(per_seq, 2 * per_seq), label="num_blocks")
     prefix_caching = data.draw(st.booleans(), label="prefix caching")
+    overlap = data.draw(st.booleans(), label="overlap")
     lengths = st.integers(1, max_len - 1)
     requests = data.draw(
         st.lists(  # (steps after the previous arrival, prompt length, shared prefix, max_tokens)
@@ -352,7 +376,7 @@ def test_random_mix_of_requests_returns_every_block(data):
         prefix_caching=prefix_caching,
     )
     scripts: dict[int, list[int]] = {}  # what the fake model samples, per request
-    eng = FakeEngine(sched, lambda seq: scripts[seq.seq_id][seq.num_output_tokens])
+    eng = FakeEngine(sched, lambda seq: scripts[seq.seq_id][seq.num_output_tokens], overlap)
     bases = [[rng.randrange(20) for _ in range(max_len)] for _ in range(2)]
     aborted: set[int] = set()
     arrival_step = 0
@@ -376,7 +400,7 @@ def test_random_mix_of_requests_returns_every_block(data):
             victim = data.draw(st.sampled_from(pool), label="victim")
             eng.finish(victim, FinishReason.ABORT)
             aborted.add(victim.seq_id)
-        if not pending and not sched.has_unfinished():
+        if not pending and not eng.has_work():
             break
         eng.step()
     else:

@@ -78,6 +78,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:
+            seq.token_ids.pop()  # ended while its last token was in flight: drop it
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
