@@ -1,0 +1,419 @@
+"""Offline throughput: the seed's workload, our engine against its speed of light and a peer.
+
+    python benchmarks/offline.py                      # random-weight Qwen3-0.6B, ours + HF peer
+    python benchmarks/offline.py --model DIR --out r.json
+    python benchmarks/offline.py --no-peer --enforce-eager
+    python benchmarks/offline.py --quick              # CPU smoke test: 8 seqs, 2-layer model
+
+The workload is nano-vllm's bench.py, draw for draw: random.seed(0); 256 prompts of
+randint(100, 1024) token ids in [0, 10000]; then max_tokens = randint(100, 1024) each;
+temperature 0.6, ignore_eos, max_model_len 4096; one warm-up call; 133,966 output tokens.
+Throughput = output tokens / wall time of the one timed `generate` call.
+
+Without --model, the model is Qwen3-0.6B's shape (benchmarks/qwen3_0_6b_config.json) with
+random weights, written once under --model-cache. The speed of light (speed_of_light.py) is
+the workload's KV and weight bytes and FLOPs against the bandwidth and matmul rate measured here
+at start-up. The peer (hf_peer.py) is transformers' continuous batching with paged SDPA.
+
+Each engine runs in its own child process, so each gets the whole GPU memory.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers, however we are run
+
+from random_model import build_random_model  # noqa: E402
+from speed_of_light import (  # noqa: E402
+    DeviceRates,
+    ModelShape,
+    WorkloadCost,
+    measure_device,
+    sol_times,
+    workload_cost,
+)
+
+HERE = Path(__file__).resolve().parent
+QWEN3_CONFIG = HERE / "qwen3_0_6b_config.json"
+SEED_OUTPUT_TOKENS = 133_966  # bench.py's total for 256 seqs, 1024 / 1024
+WARMUP_PROMPT = "Benchmark: "
+# --quick: Qwen3's layout and vocabulary, shrunk until a 2-core CPU runs it in seconds
+QUICK_OVERRIDES = dict(
+    num_hidden_layers=2,
+    hidden_size=256,
+    intermediate_size=768,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
+
+
+def make_workload(
+    num_seqs: int, max_input_len: int, max_output_len: int
+) -> tuple[list[list[int]], list[int]]:
+    """bench.py's draws in bench.py's order: all prompts first, then all max_tokens."""
+    random.seed(0)
+    # bench.py draws lengths from 100; the floor only drops for lengths below 100 (tiny tests)
+    lo_in, lo_out = min(100, max_input_len), min(100, max_output_len)
+    prompts = [
+        [random.randint(0, 10000) for _ in range(random.randint(lo_in, max_input_len))]
+        for _ in range(num_seqs)
+    ]
+    max_tokens = [random.randint(lo_out, max_output_len) for _ in range(num_seqs)]
+    return prompts, max_tokens
+
+
+def engine_device_dtype(cfg: dict) -> tuple[str, torch.dtype]:
+    """Where and in what dtype our engine runs by default: the checkpoint's dtype on a GPU,
+    float32 on a CPU (nanovllm.worker.model_runner.resolve_dtype)."""
+    if torch.cuda.is_available():
+        name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+        return "cuda", torch.bfloat16 if name == "float32" else getattr(torch, name)
+    return "cpu", torch.float32
+
+
+# ---- the two engines, each in a child process ------------------------------------------------
+
+
+def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int]) -> dict:
+    from nanovllm import LLM, SamplingParams
+
+    opts = engine_options(args)
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **opts)
+    load_s = time.perf_counter() - t0
+    llm.generate([WARMUP_PROMPT], SamplingParams(), use_tqdm=False)
+    engine = llm.engine
+    # the engine's counters are running totals: subtract the warm-up's share
+    prefill0, decode0 = engine.num_prefill_tokens, engine.num_decode_tokens
+    steps0 = engine.num_steps
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {
+        "engine_options": opts,
+        "engine_config": dataclasses.asdict(engine.config),
+        "dtype": str(engine.runner.dtype).replace("torch.", ""),
+        "kv_cache_tokens": engine.runner.num_blocks * engine.config.block_size,
+        "load_s": load_s,
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "wrong_length_requests": sum(len(o.token_ids) != m for o, m in zip(outs, max_tokens)),
+        "throughput": tokens / elapsed,
+        "prefill_tokens": engine.num_prefill_tokens - prefill0,
+        "decode_tokens": engine.num_decode_tokens - decode0,
+        "steps": engine.num_steps - steps0,
+    }
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    from nanovllm.core.config import EngineConfig
+
+    opts: dict = dict(
+        max_model_len=4096,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    if args.block_size is not None:
+        opts["block_size"] = args.block_size
+    if args.enforce_eager:
+        opts["enforce_eager"] = True
+    if args.no_overlap:
+        if "overlap" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+            raise SystemExit(
+                "error: --no-overlap passes overlap=False, but this engine's EngineConfig has no "
+                "`overlap` option yet; drop the flag"
+            )
+        opts["overlap"] = False
+    return opts
+
+
+def run_peer(args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int]) -> dict:
+    from hf_peer import run_peer as hf_run
+
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    device, dtype = engine_device_dtype(cfg)
+    return hf_run(Path(args.model), prompts, max_tokens, device, dtype, args.peer_timeout)
+
+
+def run_child(kind: str, model_dir: Path, timeout: float | None) -> dict:
+    """Run one engine in a fresh process (all the GPU memory to itself); its figures or an
+    {"error": ...} dict, never an exception."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            *sys.argv[1:],
+            "--model",
+            str(model_dir),
+            "--worker",
+            kind,
+            "--worker-out",
+            str(result),
+        ]
+        try:
+            proc = subprocess.run(cmd, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"no result after {timeout:.0f} s (process killed)"}
+        if result.is_file():
+            return json.loads(result.read_text())
+        return {"error": f"the {kind} process exited with status {proc.returncode}, no result"}
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    prompts, max_tokens = make_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    try:
+        fn = run_ours if args.worker == "ours" else run_peer
+        out = fn(args, prompts, max_tokens)
+    except Exception as e:  # the driver reports it and carries on with the other engine
+        import traceback
+
+        traceback.print_exc()
+        out = {"error": f"{type(e).__name__}: {e}"}
+    Path(args.worker_out).write_text(json.dumps(out, indent=2, default=str))
+
+
+# ---- the driver --------------------------------------------------------------------------------
+
+
+def prepare_model(args: argparse.Namespace) -> tuple[Path, dict, str]:
+    if args.model:
+        path = Path(args.model).expanduser()
+        return path, json.loads((path / "config.json").read_text()), f"checkpoint {path}"
+    cfg = json.loads(QWEN3_CONFIG.read_text())
+    if args.quick:
+        cfg.update(QUICK_OVERRIDES)
+    t0 = time.perf_counter()
+    path, built = build_random_model(cfg, Path(args.model_cache))
+    how = f"built in {time.perf_counter() - t0:.1f} s" if built else "cached"
+    name = "tiny Qwen3 (--quick)" if args.quick else "Qwen3-0.6B"
+    return path, cfg, f"random-weight {name} at {path} ({how})"
+
+
+def si(x: float, unit: str) -> str:
+    """1.385e13 B -> '13.85 TB'."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.0f} {unit}"
+
+
+def fmt_int(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def engine_row(name: str, r: dict, sol_tput: float) -> str:
+    if r.get("error"):
+        return f"{name:<18} failed: {r['error']}"
+    if r.get("throughput") is None:
+        return (
+            f"{name:<18} timed out after {r['elapsed_s']:.0f} s: {r['finished_requests']} "
+            f"requests done, {r['output_tokens']:,} tokens, >= {r['partial_throughput']:,.0f} tok/s"
+        )
+    frac = r["throughput"] / sol_tput
+    return (
+        f"{name:<18}{r['elapsed_s']:>8.2f}{r['output_tokens']:>10,}{r['throughput']:>10,.0f}"
+        f"{frac:>8.1%}{fmt_int(r.get('prefill_tokens')):>13}{fmt_int(r.get('decode_tokens')):>12}"
+        f"{fmt_int(r.get('steps')):>7}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", help="a Hugging Face model directory (default: random Qwen3-0.6B)")
+    ap.add_argument(
+        "--model-cache",
+        help="where the random model is written once "
+        "(default /tmp/nanovllm-qwen3-0.6b-random, with -quick for --quick)",
+    )
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--max-input-len", type=int, default=1024)
+    ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--no-peer", action="store_true", help="skip transformers' continuous batching")
+    ap.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=300.0,
+        help="seconds the peer's timed run may take before it is stopped",
+    )
+    ap.add_argument("--enforce-eager", action="store_true", help="engine option enforce_eager=True")
+    ap.add_argument("--no-overlap", action="store_true", help="engine option overlap=False")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--out", help="write every figure to this JSON file")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="CPU smoke test: 8 seqs of 100-128 tokens, a 2-layer model",
+    )
+    ap.add_argument("--worker", choices=("ours", "peer"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.quick:
+        args.num_seqs, args.max_input_len, args.max_output_len = 8, 128, 128
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.worker:
+        worker_main(args)
+        return
+    if args.model_cache is None:
+        args.model_cache = "/tmp/nanovllm-qwen3-0.6b-random" + ("-quick" if args.quick else "")
+    if args.no_overlap:
+        engine_options(args)  # fail now, not after building the model
+
+    prompts, max_tokens = make_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    prompt_lens = [len(p) for p in prompts]
+    seed_shape = (args.num_seqs, args.max_input_len, args.max_output_len) == (256, 1024, 1024)
+    check = ""
+    if seed_shape:
+        ok = sum(max_tokens) == SEED_OUTPUT_TOKENS
+        check = f" (seed's {SEED_OUTPUT_TOKENS:,}: {'ok' if ok else 'MISMATCH'})"
+    print(
+        f"workload: {args.num_seqs} seqs, {sum(prompt_lens):,} prompt tokens, "
+        f"max_tokens sum {sum(max_tokens):,}{check}",
+        flush=True,
+    )
+
+    model_dir, cfg, model_desc = prepare_model(args)
+    print(f"model: {model_desc}", flush=True)
+    device, dtype = engine_device_dtype(cfg)
+    rates = measure_device(torch.device(device), dtype)
+    shape = ModelShape.from_hf(cfg)
+    dtype_bytes = torch.empty(0, dtype=dtype).element_size()
+    cost = workload_cost(shape, prompt_lens, max_tokens, dtype_bytes)
+    sol = sol_times(cost, rates.bandwidth, rates.matmul_rate)
+    total_out = sum(max_tokens)
+    sol_tput = {k: total_out / sol[k] for k in ("serial", "per_phase", "overlap")}
+
+    ours = run_child("ours", model_dir, None)
+    peer = None if args.no_peer else run_child("peer", model_dir, args.peer_timeout + 300)
+    if peer and (peer.get("error") or peer.get("throughput") is None):
+        why = peer.get("error") or f"timed out after {args.peer_timeout:.0f} s"
+        print(f"peer failed: {why}", flush=True)
+    if ours.get("error"):
+        print(f"ours failed: {ours['error']}", flush=True)
+
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "argv": sys.argv[1:],
+        "torch": torch.__version__,
+        "workload": {
+            "num_seqs": args.num_seqs,
+            "max_input_len": args.max_input_len,
+            "max_output_len": args.max_output_len,
+            "temperature": 0.6,
+            "ignore_eos": True,
+            "max_model_len": 4096,
+            "prompt_tokens": sum(prompt_lens),
+            "output_tokens": total_out,
+            "max_max_tokens": max(max_tokens),
+        },
+        "model": {
+            "path": str(model_dir),
+            "description": model_desc,
+            "shape": dataclasses.asdict(shape),
+            "matmul_params": shape.matmul_params,
+            "dtype": str(dtype).replace("torch.", ""),
+            "kv_bytes_per_token": shape.kv_bytes_per_token(dtype_bytes),
+        },
+        "device": rates.as_dict(),
+        "speed_of_light": {
+            "cost": dataclasses.asdict(cost),
+            "times_s": sol,
+            "throughput": sol_tput,
+            "headline": "serial",
+        },
+        "ours": ours,
+        "peer": peer,
+    }
+    for r in (ours, peer):
+        if r and r.get("throughput"):
+            r["fraction_of_sol"] = {k: r["throughput"] / v for k, v in sol_tput.items()}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    print_table(report, cost, sol, sol_tput, rates)
+
+
+def print_table(
+    report: dict, cost: WorkloadCost, sol: dict, sol_tput: dict, rates: DeviceRates
+) -> None:
+    w, m = report["workload"], report["model"]
+    ours, peer = report["ours"], report["peer"]
+    peer_ver = f" | transformers {peer['transformers']}" if peer and "transformers" in peer else ""
+    lines = [
+        "",
+        f"== offline throughput | {rates.device} | torch {report['torch']}{peer_ver} ==",
+        f"workload: {w['num_seqs']} seqs, {w['prompt_tokens']:,} prompt / {w['output_tokens']:,} "
+        "output tokens, temperature 0.6, ignore_eos, max_model_len 4096",
+        f"model:    {m['description']}",
+        f"          {m['dtype']}, {m['matmul_params'] / 1e6:.1f}M matmul params, "
+        f"KV {m['kv_bytes_per_token'] / 1024:.1f} KiB/token",
+        f"device:   copy {rates.bandwidth / 1e12:.3f} TB/s "
+        f"(read+write, {rates.copy_bytes >> 20} MiB), {rates.dtype} matmul "
+        f"{rates.matmul_rate / 1e12:.1f} TFLOP/s ({rates.matmul_n}^3)",
+        f"cost:     KV reads {si(cost.kv_read_bytes, 'B')} ({sol['kv_read_s']:.3f} s) + weights "
+        f"{cost.min_steps} steps x {si(cost.weight_bytes_per_step, 'B')} "
+        f"({sol['weight_read_s']:.3f} s);",
+        f"          prefill {si(cost.prefill_flops, 'FLOP')} ({sol['prefill_compute_s']:.3f} s), "
+        f"decode {si(cost.decode_flops, 'FLOP')} ({sol['decode_compute_s']:.3f} s)",
+        "speed of light (BW = copy bandwidth, rate = matmul rate):",
+    ]
+    formulas = {
+        "serial": "bytes/BW + FLOPs/rate",
+        "per_phase": "prefill/rate + max(bytes/BW, decode/rate)",
+        "overlap": "max(bytes/BW, FLOPs/rate)",
+    }
+    for key, formula in formulas.items():
+        mark = "  <- the % of SOL below" if key == "serial" else ""
+        lines.append(
+            f"  {key:<9} T = {formula:<42}{sol[key]:>8.3f} s {sol_tput[key]:>9,.0f} tok/s{mark}"
+        )
+    lines += [
+        "",
+        f"{'engine':<18}{'wall s':>8}{'out tok':>10}{'tok/s':>10}{'of SOL':>8}"
+        f"{'prefill tok':>13}{'decode tok':>12}{'steps':>7}",
+        engine_row("nano-vLLM", ours, sol_tput["serial"]),
+    ]
+    if peer is not None:
+        name = f"HF CB {peer.get('attn_implementation', '')}".strip()
+        lines.append(engine_row(name[:17], peer, sol_tput["serial"]))
+    notes = []
+    if not ours.get("error"):
+        notes.append(
+            f"nano-vLLM: load {ours['load_s']:.1f} s, {ours['dtype']}, KV cache "
+            f"{ours['kv_cache_tokens']:,} tokens; split by tokens: prefill "
+            f"{ours['prefill_tokens']:,} / decode {ours['decode_tokens']:,} "
+            "(time split not measured)"
+        )
+        if ours["wrong_length_requests"]:
+            notes.append(f"nano-vLLM: {ours['wrong_length_requests']} requests != max_tokens")
+    if peer and not peer.get("error"):
+        notes.append(
+            f"peer: load {peer['load_s']:.1f} s, per-request max_new_tokens via "
+            f"ContinuousBatchingManager.add_request; {peer['finished_requests']} done, "
+            f"{peer['failed_requests']} failed, {peer['wrong_length_requests']} wrong length"
+        )
+        if ours.get("throughput") and peer.get("throughput"):
+            notes.append(f"speed-up over peer: {ours['throughput'] / peer['throughput']:.2f}x")
+    lines += notes
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    main()
