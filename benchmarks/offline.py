@@ -97,6 +97,7 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     # the engine's counters are running totals: subtract the warm-up's share
     prefill0, decode0 = engine.num_prefill_tokens, engine.num_decode_tokens
     steps0 = engine.num_steps
+    timing0 = dict(engine.timing)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -116,6 +117,8 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         "prefill_tokens": engine.num_prefill_tokens - prefill0,
         "decode_tokens": engine.num_decode_tokens - decode0,
         "steps": engine.num_steps - steps0,
+        # host seconds per part of the step loop; "wait" is the host idle on the GPU
+        "step_timing_s": {k: v - timing0.get(k, 0.0) for k, v in engine.timing.items()},
     }
 
 
@@ -398,9 +401,15 @@ def print_table(
         notes.append(
             f"nano-vLLM: load {ours['load_s']:.1f} s, {ours['dtype']}, KV cache "
             f"{ours['kv_cache_tokens']:,} tokens; split by tokens: prefill "
-            f"{ours['prefill_tokens']:,} / decode {ours['decode_tokens']:,} "
-            "(time split not measured)"
+            f"{ours['prefill_tokens']:,} / decode {ours['decode_tokens']:,}"
         )
+        st = ours.get("step_timing_s") or {}
+        if st:
+            notes.append(
+                "nano-vLLM host time: "
+                + ", ".join(f"{k} {v:.2f} s" for k, v in st.items())
+                + f" (wait = host idle on the GPU; steps {ours['steps']})"
+            )
         if ours["wrong_length_requests"]:
             notes.append(f"nano-vLLM: {ours['wrong_length_requests']} requests != max_tokens")
     if peer and not peer.get("error"):

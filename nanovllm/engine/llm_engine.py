@@ -30,6 +30,7 @@ class Request:
     detoks: list[IncrementalDetokenizer]
     texts: list[str]
     arrival_time: float
+    stream: bool = False
 
     @property
     def finished(self) -> bool:
@@ -88,6 +89,8 @@ class LLMEngine:
         self.num_prefill_tokens = 0  # totals, for progress bars and metrics
         self.num_decode_tokens = 0
         self.num_steps = 0
+        # where a step's wall time goes (seconds, running totals): host work vs waiting on GPU
+        self.timing = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "postprocess": 0.0}
 
     # ---- requests -----------------------------------------------------------------
 
@@ -130,8 +133,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        stream: bool = False,
     ) -> str:
-        """Queue a request; raises InvalidRequestError before anything is queued."""
+        """Queue a request; raises InvalidRequestError before anything is queued.
+
+        With `stream`, `step()` reports the request after every token (text included);
+        otherwise only once it has finished, which saves detokenizing every step.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams", "sampling_params")
@@ -158,6 +166,7 @@ class LLMEngine:
             detoks,
             [""] * params.n,
             now,
+            stream,
         )
         self.requests[request_id] = req
         for i, seq in enumerate(seqs):
@@ -186,7 +195,10 @@ class LLMEngine:
         With overlap on, the batch is queued on the GPU and the previous step's tokens are
         processed while it runs: outputs then trail the GPU by one step.
         """
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        self.timing["schedule"] += t1 - t0
         touched: dict[str, Request] = {}
         if self._inflight is not None and not self._can_overlap(batch):
             self._resolve(self._inflight, touched)
@@ -195,20 +207,26 @@ class LLMEngine:
         handle = None
         if batch:
             self._count(batch)
+            t1 = time.perf_counter()
             handle = self.runner.launch(batch, self._inflight)
+            self.timing["launch"] += time.perf_counter() - t1
         if self._inflight is not None:
             self._resolve(self._inflight, touched)
             self._inflight = None
         if batch:
+            t2 = time.perf_counter()
             self.scheduler.advance(batch)
+            self.timing["postprocess"] += time.perf_counter() - t2
             if self.overlap:
                 self._inflight = handle
             else:
                 self._resolve(handle, touched)
         outputs = []
         for req in touched.values():
-            outputs.append(self._make_output(req))
-            if req.finished:
+            finished = req.finished
+            if req.stream or finished:
+                outputs.append(self._make_output(req))
+            if finished:
                 del self.requests[req.request_id]
                 for seq in req.seqs:
                     del self._owner[seq.seq_id]
@@ -226,7 +244,10 @@ class LLMEngine:
         self.num_steps += 1
 
     def _resolve(self, handle: StepHandle, touched: dict[str, Request]) -> None:
+        t0 = time.perf_counter()
         out = self.runner.collect(handle)
+        t1 = time.perf_counter()
+        self.timing["wait"] += t1 - t0
         logprobs = dict(zip((s.seq_id for s in handle.seqs), out.logprobs, strict=True))
         for seq in self.scheduler.resolve(handle.seqs, out.token_ids):
             owner = self._owner.get(seq.seq_id)
@@ -235,8 +256,14 @@ class LLMEngine:
             req, i = owner
             if logprobs[seq.seq_id] is not None:
                 seq.logprobs.append(logprobs[seq.seq_id])
-            self._update_text(req, i, seq)
-            touched[req.request_id] = req
+            if req.stream or seq.sampling_params.stop_list:
+                self._update_text(req, i, seq)  # incremental: streaming, or stop strings
+            elif seq.is_finished:
+                skip = seq.sampling_params.skip_special_tokens
+                req.texts[i] = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)
+            if req.stream or seq.is_finished:
+                touched[req.request_id] = req
+        self.timing["postprocess"] += time.perf_counter() - t1
 
     def _update_text(self, req: Request, i: int, seq: Sequence) -> None:
         detok = req.detoks[i]

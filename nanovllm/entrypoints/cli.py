@@ -84,7 +84,7 @@ def _sampling_params(args: argparse.Namespace):
 
 def _stream(engine, prompt, params) -> str:
     """Run one request, printing text as it is produced; returns the full text."""
-    request_id = engine.add_request(prompt, params)
+    request_id = engine.add_request(prompt, params, stream=True)
     shown = ""
     try:
         while engine.has_unfinished_requests():

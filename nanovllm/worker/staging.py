@@ -1,3 +1,4 @@
+import numpy as np
 import torch
 
 
@@ -10,4 +11,8 @@ def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """
     if device.type != "cuda":
         return torch.tensor(data, dtype=dtype, device=device)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    if isinstance(data, np.ndarray):
+        host = torch.from_numpy(data).to(dtype).pin_memory()
+    else:
+        host = torch.tensor(data, dtype=dtype, pin_memory=True)
+    return host.to(device, non_blocking=True)

@@ -1,0 +1,523 @@
+"""Paged attention in Triton: the CUDA backend, same contract and results as `torch_backend`.
+
+Three kernels behind two entry points:
+
+- `store_kv`: one program per token copies its K/V into the paged cache (slot -1 skips).
+- `paged_attention`:
+  * rows with one query token (decode) go to `_decode_kernel`, one program per
+    (row, kv head, split); the kv head's GQA query heads are the M dimension of `tl.dot`
+    (padded to 16), so each K/V tile is read once per group. With num_splits > 1 each
+    split covers a slice of the context and writes a partial (normalized acc, log2-sum-exp),
+    and `_reduce_kernel` combines the splits (flash-decoding).
+  * rows with several query tokens (prefill, chunked prefill over a cached prefix) go to
+    `_prefill_kernel`, one program per (tile of BLOCK_Q tokens of one row, kv head) with
+    M = BLOCK_Q tokens x the group's query heads; the causal mask is applied only to the
+    tiles that straddle the diagonal.
+
+Launch grids depend only on tensor shapes and python ints, never on device values, so a
+decode step can be captured in a CUDA graph. What is baked into a launch:
+  decode:  num_rows (= context_lens.shape[0]), num kv/q heads, head_dim, block_size,
+           dtype, block table width (its stride), num_splits (from num_rows and
+           meta.max_context_len, or the `num_splits` argument), tile config;
+  prefill: T (= q.shape[0]), num_rows, heads, head_dim, block_size, dtype, BLOCK_Q
+           (from meta.max_query_len), tile config;
+  the path itself: meta.max_query_len == 1 runs the decode kernel alone; otherwise the
+           prefill kernel runs, plus the decode kernel if query_lens_host has a 1.
+Everything else (query_start_loc, context_lens, block_tables, slot_mapping) is read on
+the device, so replaying a captured decode graph with new values of those is correct as long
+as every context fits the captured block table width. Any num_splits is correct for any
+context lengths: splits past a row's context are empty and weigh nothing in the reduction.
+
+Padding rows (context_len 0, query_len 0 or 1, slot -1) produce zeros in their own output
+row, or nothing if their query_len is 0, never NaN, and touch no cache slot.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.model.attention.metadata import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+# a finite "minus infinity" for running maxima, so a row that has seen no key yet gives
+# exp2(m_old - m_new) = 1 instead of exp2(-inf + inf) = NaN
+NEG_BIG = tl.constexpr(-1.0e30)
+
+# split-KV heuristic (see `choose_num_splits`)
+TARGET_PROGRAMS_PER_SM = 4  # bf16 d128 decode programs fit ~5 per SM (regs and smem)
+MIN_SPLIT_TOKENS = 256  # fewer tokens per split and the partial write + reduce dominate
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes and launch options of one kernel (tests shrink them; benchmarks sweep)."""
+
+    block_m: int  # prefill: query rows per program (tokens x padded GQA group); decode: unused
+    block_n: int  # KV positions per tile; any multiple or fraction of the cache block size
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_prefill_config(
+    head_dim: int, max_query_len: int, group: int, dtype: torch.dtype = torch.bfloat16
+) -> TileConfig:
+    # Sized on sm_90 to compile without register spills (checked with ptxas -v): bf16 d128
+    # at 180 regs. fp32 is the exact test path; its "ieee" dot runs on FMAs, so small tiles.
+    exact = dtype == torch.float32
+    cap = 32 if exact else 128 if head_dim <= 128 else 64
+    # a tile holds at least one token of every query head of the group; beyond that, short
+    # queries get a short tile so chunks of a few tokens do not pay for 128 mostly-empty rows
+    block_m = max(16, _pow2(group), min(cap, _pow2(max_query_len * _pow2(group))))
+    if exact:
+        return TileConfig(block_m, block_n=16, num_warps=8, num_stages=2)
+    if head_dim <= 128:
+        return TileConfig(block_m, block_n=64, num_warps=8 if block_m >= 128 else 4, num_stages=2)
+    return TileConfig(block_m, block_n=32, num_warps=4, num_stages=2)
+
+
+def default_decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+    if dtype == torch.float32:
+        return TileConfig(block_m=16, block_n=32, num_warps=8, num_stages=2)
+    if head_dim <= 128:  # bf16 d128: ~91 regs, 39 KB smem, so ~5 programs fit an SM
+        return TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+    return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # interpreter runs: pretend an H100/H200 so the split logic is exercised
+
+
+def choose_num_splits(
+    num_rows: int, num_kv_heads: int, max_context_len: int, num_sms: int = 132
+) -> int:
+    """KV splits per (row, kv head) for decode: enough programs to fill the GPU, but each
+    split keeps >= MIN_SPLIT_TOKENS of context so its partial write and the reduce stay cheap.
+
+    Depends only on python ints, so a CUDA graph captured with a given (num_rows,
+    max_context_len) replays the same grid; pass the max context the graph will serve.
+    """
+    programs = num_rows * num_kv_heads
+    if programs <= 0 or max_context_len <= MIN_SPLIT_TOKENS:
+        return 1
+    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, programs)
+    useful = triton.cdiv(max_context_len, MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would silently use tf32 tensor cores; the fp32 path is the exact one
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---------------------------------------------------------------------------------------
+# store_kv
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    # clamp so a skipped (-1) slot never forms an address before the cache, even masked
+    safe = tl.maximum(slot, 0)
+    blk = safe // BLOCK_SIZE
+    off = safe % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    # the skip folded into the head bound (a `& scalar_bool` mask trips the interpreter)
+    mask = (offs_h[:, None] < tl.where(slot >= 0, NUM_HEADS, 0)) & (offs_d[None, :] < HEAD_DIM)
+    src = tok.to(tl.int64)
+    k = tl.load(k_ptr + src * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
+                mask=mask)
+    v = tl.load(v_ptr + src * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
+                mask=mask)
+    kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs
+    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs
+    tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd,
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V ([T, Hkv, D]) into its cache slot; slot -1 skips the token.
+
+    Grid: (T,), from the shape only, so it can sit inside a captured CUDA graph.
+    """
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0 or k_cache.numel() == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=_pow2(num_heads), BLOCK_D=_pow2(head_dim),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# shared tile step of the online softmax
+
+
+@triton.jit
+def _load_kv_tile(
+    cache_ptr, bt_row_ptr, pos, valid, kv_head, offs_d,
+    stride_b, stride_s, stride_h, stride_d,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
+):
+    # each position looks up its own block, so a tile may span part of a block or several
+    if MASKED:
+        blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+    else:
+        blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE)
+    base = blk.to(tl.int64) * stride_b + (pos % BLOCK_SIZE) * stride_s + kv_head * stride_h
+    if TRANSPOSED:  # [D, N], the right operand of q @ k^T
+        ptrs = cache_ptr + base[None, :] + offs_d[:, None] * stride_d
+        pos_ok = valid[None, :]
+        dim_ok = offs_d[:, None] < HEAD_DIM
+    else:  # [N, D]
+        ptrs = cache_ptr + base[:, None] + offs_d[None, :] * stride_d
+        pos_ok = valid[:, None]
+        dim_ok = offs_d[None, :] < HEAD_DIM
+    # masks only where needed: a full tile of a power-of-2 head_dim loads unmasked
+    other = 0.0
+    if MASKED:
+        if HEAD_DIM == BLOCK_D:
+            mask = pos_ok
+        else:
+            mask = pos_ok & dim_ok
+    else:
+        if HEAD_DIM == BLOCK_D:
+            mask = None
+            other = None
+        else:
+            mask = dim_ok
+    return tl.load(ptrs, mask=mask, other=other)
+
+
+@triton.jit
+def _softmax_step(q, k, v, acc, m_i, l_i, allowed, scale_log2,
+                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # scores in the log2 domain: exp2(s * scale * log2e) == exp(s * scale)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+    if MASKED:
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+# ---------------------------------------------------------------------------------------
+# decode: one program per (row, kv head, split)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    qsl_ptr, ctx_ptr, bt_ptr, scale_log2, num_splits,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, WRITE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # num_splits is a runtime int (one compiled kernel serves every split count);
+    # WRITE_OUT (num_splits == 1) writes the normalized output directly, skipping the reduce
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + row)
+    q_len = tl.load(qsl_ptr + row + 1) - q_start
+    # rows with several tokens belong to the prefill kernel, rows with none are padding
+    is_decode = q_len == 1
+    ctx = tl.where(is_decode, tl.load(ctx_ptr + row), 0)
+    num_tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    # a scalar condition folded into the bound: `vector & scalar_bool` masks trip the
+    # interpreter, and this is one compare on the GPU too
+    head_ok = offs_g < tl.where(is_decode, GROUP, 0)
+    dim_ok = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + row.to(tl.int64) * stride_bt
+    # every tile is masked at the context end: one compare per position, negligible next to
+    # the K/V bytes a decode tile moves
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * BLOCK_N + offs_n
+        valid = pos < ctx
+        k = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
+                          stride_kb, stride_ks, stride_kh, stride_kd,
+                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, True)
+        v = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
+                          stride_vb, stride_vs, stride_vh, stride_vd,
+                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, False)
+        acc, m_i, l_i = _softmax_step(q.to(k.dtype), k, v, acc, m_i, l_i, valid[None, :],
+                                      scale_log2, True, DOT_PRECISION)
+
+    # an empty row or split (l == 0) yields 0, not 0/0
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    store_mask = head_ok[:, None] & dim_ok[None, :]
+    if WRITE_OUT:
+        tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+                 + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        # partials laid out [row, q head, split, (D)]
+        idx = (row * NUM_Q_HEADS + heads).to(tl.int64) * num_splits + split
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), NEG_BIG)
+        tl.store(part_lse_ptr + idx, lse, mask=head_ok)
+        tl.store(part_o_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=store_mask)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_splits,
+    stride_ot, stride_oh, stride_od,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + row)
+    q_len = tl.load(qsl_ptr + row + 1) - q_start
+    if q_len != 1:  # the decode kernel wrote nothing for this row
+        return
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    split_ok = offs_s < num_splits
+    base = (row * NUM_Q_HEADS + head).to(tl.int64) * num_splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=split_ok, other=float("-inf"))
+    # lse of empty splits is NEG_BIG (finite): they get weight 0 next to any real split,
+    # and an all-empty padding row gets equal weights over zero partials, i.e. 0
+    w = tl.exp2(lse - tl.max(lse, 0))
+    o = tl.load(part_o_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=split_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d * stride_od,
+             res.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+# ---------------------------------------------------------------------------------------
+# prefill / chunked prefill: one program per (query tile of one row, kv head)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    qsl_ptr, ctx_ptr, bt_ptr, scale_log2, num_rows,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # Row i owns programs [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1), which holds
+    # its cdiv(query_len, BLOCK_Q) tiles; so T // BLOCK_Q + num_rows programs cover any
+    # batch of T tokens without reading lengths on the host. Find the row by binary search.
+    lo = pid * 0  # int32 scalars; num_rows may arrive specialized as the constant 1
+    hi = lo + num_rows
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        go_right = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    row = lo
+    q_start = tl.load(qsl_ptr + row)
+    q_len = tl.load(qsl_ptr + row + 1) - q_start
+    t0 = (pid - (q_start // BLOCK_Q + row)) * BLOCK_Q
+    if t0 >= q_len:
+        return
+    if SKIP_DECODE:
+        if q_len == 1:  # the decode kernel (with its KV splits) owns single-token rows
+            return
+    ctx = tl.load(ctx_ptr + row)
+    prefix = ctx - q_len  # the row's queries sit at context positions prefix .. ctx - 1
+
+    offs_m = tl.arange(0, BLOCK_Q * BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    tok = t0 + offs_m // BLOCK_G  # M packs (token, head of the group), head fastest
+    g = offs_m % BLOCK_G
+    heads = kv_head * GROUP + g
+    row_ok = (tok < q_len) & (g < GROUP)
+    dim_ok = offs_d < HEAD_DIM
+    q_off = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_off[:, None] * stride_qt + heads[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q_pos = prefix + tok
+
+    m_i = tl.full([BLOCK_Q * BLOCK_G], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + row.to(tl.int64) * stride_bt
+    first_pos = prefix + t0
+    kv_end = prefix + tl.minimum(t0 + BLOCK_Q, q_len)
+    # tiles wholly at or before the tile's first query position need no mask at all
+    full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, kv_end)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+    for start in range(0, full_end, BLOCK_N):
+        pos = start + offs_n
+        k = _load_kv_tile(k_cache_ptr, bt_row, pos, pos < kv_end, kv_head, offs_d,
+                          stride_kb, stride_ks, stride_kh, stride_kd,
+                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, True)
+        v = _load_kv_tile(v_cache_ptr, bt_row, pos, pos < kv_end, kv_head, offs_d,
+                          stride_vb, stride_vs, stride_vh, stride_vd,
+                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, False)
+        acc, m_i, l_i = _softmax_step(q, k, v, acc, m_i, l_i, None, scale_log2,
+                                      False, DOT_PRECISION)
+    # diagonal tiles: causal mask, and the context end (kv_end <= ctx) for the last one
+    for start in range(full_end, kv_end, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < kv_end
+        k = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
+                          stride_kb, stride_ks, stride_kh, stride_kd,
+                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, True)
+        v = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
+                          stride_vb, stride_vs, stride_vh, stride_vd,
+                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, False)
+        allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        acc, m_i, l_i = _softmax_step(q, k, v, acc, m_i, l_i, allowed, scale_log2,
+                                      True, DOT_PRECISION)
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_off[:, None] * stride_ot + heads[:, None] * stride_oh
+             + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------
+# entry point
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    prefill_config: TileConfig | None = None,
+    decode_config: TileConfig | None = None,
+) -> torch.Tensor:
+    """Attention of q ([T, Hq, D], any strides) over each row's cached context; [T, Hq, D].
+
+    Same contract as `torch_backend.paged_attention`. `num_splits` fixes the decode KV
+    splits (default: `choose_num_splits` from the row count and meta.max_context_len);
+    the configs override tile sizes. See the module docstring for what a launch bakes in.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads is not a multiple of {num_kv_heads} kv heads")
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    num_rows = meta.context_lens.shape[0]
+    if num_tokens == 0 or num_rows == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    scale_log2 = scale * LOG2E
+    common = dict(qsl=meta.query_start_loc, ctx=meta.context_lens, bt=meta.block_tables)
+    if meta.max_query_len == 1:
+        _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group,
+                       meta.max_context_len, num_splits, decode_config, **common)
+        return out
+    has_decode_rows = 1 in meta.query_lens_host
+    if has_decode_rows:
+        _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group,
+                       meta.max_context_len, num_splits, decode_config, **common)
+    cfg = prefill_config or default_prefill_config(head_dim, meta.max_query_len, group,
+                                                    q.dtype)
+    block_g = _pow2(group)
+    if cfg.block_m % block_g or cfg.block_m < 16:
+        raise ValueError(f"block_m={cfg.block_m} must be >= 16 and a multiple of {block_g}")
+    block_q = cfg.block_m // block_g
+    grid = (num_tokens // block_q + num_rows, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out,
+        common["qsl"], common["ctx"], common["bt"], scale_log2, num_rows,
+        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        meta.block_tables.stride(0),
+        GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim),
+        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=cfg.block_n,
+        SKIP_DECODE=has_decode_rows, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_context_len,
+                   num_splits, cfg, qsl, ctx, bt) -> None:
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    cfg = cfg or default_decode_config(head_dim, q.dtype)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_rows, num_kv_heads, max_context_len,
+                                       _num_sms(q.device))
+    if num_splits > 1:
+        part_o = torch.empty((num_rows, num_q_heads, num_splits, head_dim),
+                             dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_rows, num_q_heads, num_splits),
+                               dtype=torch.float32, device=q.device)
+    else:  # the kernel writes `out` directly and never touches these
+        part_o = part_lse = out
+    _decode_kernel[(num_rows, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse, qsl, ctx, bt, scale_log2, num_splits,
+        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0),
+        NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_G=max(16, _pow2(group)),
+        BLOCK_N=cfg.block_n, WRITE_OUT=num_splits == 1, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        _reduce_kernel[(num_rows, num_q_heads)](
+            part_o, part_lse, out, qsl, num_splits, *out.stride(),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim),
+            BLOCK_S=_pow2(num_splits), num_warps=4,
+        )

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device run: the offline benchmark, the GPU tests and the attention micro-benchmark,
+# each under its own time limit. Usage on the GPU machine (repo root):
+#   bash scripts/gpu_check.sh [offline.py args...]
+# Logs go to $OUT (or ./gpu-out). Missing pure-Python packages travel as wheels in .whl/.
+set -o pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+if [ -z "$SKIP_OFFLINE" ]; then
+  timeout "${OFFLINE_S:-240}" python3 benchmarks/offline.py --out "$OUT/offline.json" "$@" 2>&1 \
+    | tee "$OUT/offline.log" | tail -25
+fi
+if [ -z "$SKIP_TESTS" ]; then
+  timeout "${TESTS_S:-240}" python3 -m pytest -q --maxfail=10 -m gpu -p no:cacheprovider \
+    tests/test_gpu_engine.py tests/test_sampler.py tests/test_triton_attention.py 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -25
+  timeout "${ATTN_S:-90}" python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.log" | tail -20
+fi
