@@ -123,8 +123,6 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    from nanovllm.core.config import EngineConfig
-
     opts: dict = dict(
         max_model_len=4096,
         max_num_seqs=args.max_num_seqs,
@@ -136,12 +134,9 @@ def engine_options(args: argparse.Namespace) -> dict:
     if args.enforce_eager:
         opts["enforce_eager"] = True
     if args.no_overlap:
-        if "overlap" not in {f.name for f in dataclasses.fields(EngineConfig)}:
-            raise SystemExit(
-                "error: --no-overlap passes overlap=False, but this engine's EngineConfig has no "
-                "`overlap` option yet; drop the flag"
-            )
         opts["overlap"] = False
+    if args.no_compile:
+        opts["torch_compile"] = False
     return opts
 
 
@@ -256,6 +251,7 @@ def main() -> None:
     )
     ap.add_argument("--enforce-eager", action="store_true", help="engine option enforce_eager=True")
     ap.add_argument("--no-overlap", action="store_true", help="engine option overlap=False")
+    ap.add_argument("--no-compile", action="store_true", help="engine option torch_compile=False")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)

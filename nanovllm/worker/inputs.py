@@ -64,22 +64,28 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
             logits_indices.append(len(input_ids) - 1)
     starts = np.zeros(len(seqs) + 1, dtype=np.int32)
     np.cumsum(query_lens, out=starts[1:])
+    # two host-to-device copies (one per dtype) instead of one per tensor
+    t, r, s = len(input_ids), len(seqs), len(logits_indices)
+    i64 = to_device(np.concatenate([input_ids, positions, slots, logits_indices]).astype(np.int64),
+                    torch.int64, device)
+    i32 = to_device(np.concatenate([starts, np.asarray(context_lens, dtype=np.int32),
+                                    tables.ravel()]), torch.int32, device)
     meta = AttentionMetadata(
-        slot_mapping=to_device(slots, torch.int64, device),
-        query_start_loc=to_device(starts, torch.int32, device),
-        context_lens=to_device(context_lens, torch.int32, device),
-        block_tables=to_device(tables, torch.int32, device),
+        slot_mapping=i64[2 * t : 3 * t],
+        query_start_loc=i32[: r + 1],
+        context_lens=i32[r + 1 : 2 * r + 1],
+        block_tables=i32[2 * r + 1 :].view(r, max_blocks),
         max_query_len=max(query_lens),
         max_context_len=max(context_lens),
         query_lens_host=query_lens,
         context_lens_host=context_lens,
     )
     return StepInputs(
-        input_ids=to_device(input_ids, torch.int64, device),
-        positions=to_device(positions, torch.int64, device),
+        input_ids=i64[:t],
+        positions=i64[t : 2 * t],
         meta=meta,
-        logits_indices=to_device(logits_indices, torch.int64, device),
-        num_sampling_rows=len(logits_indices),
+        logits_indices=i64[3 * t : 3 * t + s],
+        num_sampling_rows=s,
         decode_only=meta.max_query_len == 1,
         placeholder_positions=ph_pos,
         placeholder_seq_ids=ph_seq,

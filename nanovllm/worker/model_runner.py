@@ -9,6 +9,7 @@ from nanovllm.core.errors import ConfigError
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
 from nanovllm.model.config import ModelConfig
+from nanovllm.model.layers import compile as compile_layers
 from nanovllm.model.layers.sampler import SamplerOutput, sample
 from nanovllm.model.loader.source import ModelSource
 from nanovllm.model.loader.weights import load_weights
@@ -85,6 +86,10 @@ class ModelRunner:
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
+        use_compile = config.torch_compile
+        if use_compile is None:
+            use_compile = self.device.type == "cuda"
+        compile_layers.set_enabled(use_compile)
         max_position = max(max_model_len or 0, model_config.max_position_embeddings)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)

@@ -49,6 +49,7 @@ def build_sampling_tensors(
         min_tokens_mask=_min_tokens_mask(params, output_ids, eos_token_ids, vocab_size, device),
         seeded_rows=to_device(seeded, torch.long, device) if seeded else None,
         max_logprobs=max((p.logprobs or 0 for p in params), default=0),
+        any_logprobs=any(p.logprobs is not None for p in params),
         all_greedy=not random_rows,
         any_greedy=len(random_rows) < len(params),
         any_seeded=bool(seeded),

@@ -2,6 +2,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.model.layers.compile import maybe_compiled
+
 _M32 = 0xFFFFFFFF
 _TINY = torch.finfo(torch.float32).tiny
 _MIN_TEMPERATURE = 1e-5
@@ -35,6 +37,7 @@ class SamplingTensors:
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # int64 [N], [N]
     seeded_rows: torch.Tensor | None = None  # int64 [S]
     max_logprobs: int = 0
+    any_logprobs: bool = True  # some row wants the sampled token's logprob
     all_greedy: bool = False
     any_greedy: bool = True
     any_seeded: bool = True
@@ -48,7 +51,7 @@ class SamplerOutput:
     """Sampled tokens and their log-probs under the raw logits (see `sample`)."""
 
     token_ids: torch.Tensor  # int64 [B]
-    logprobs: torch.Tensor  # float32 [B]
+    logprobs: torch.Tensor | None  # float32 [B]; None when no row asked for logprobs
     top_logprob_ids: torch.Tensor | None = None  # int64 [B, max_logprobs]
     top_logprobs: torch.Tensor | None = None  # float32 [B, max_logprobs]
 
@@ -62,7 +65,6 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     the model returned them, before penalties, masks, temperature and filters.
     """
     raw = logits.float()
-    log_z = raw.logsumexp(-1, keepdim=True)
     logits = apply_penalties(raw, t)
     if t.min_tokens_mask is not None:
         logits = logits.index_put(t.min_tokens_mask, logits.new_full((), float("-inf")))
@@ -72,7 +74,11 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         token_ids = _sample_random(logits, t)
         if t.any_greedy:
             token_ids = torch.where(t.temperatures == 0, logits.argmax(-1), token_ids)
-    out = SamplerOutput(token_ids, (raw.gather(1, token_ids[:, None]) - log_z).squeeze(1))
+    out = SamplerOutput(token_ids, None)
+    if not (t.any_logprobs or t.max_logprobs > 0):
+        return out  # a full pass over [B, V] saved
+    log_z = raw.logsumexp(-1, keepdim=True)
+    out.logprobs = (raw.gather(1, token_ids[:, None]) - log_z).squeeze(1)
     if t.max_logprobs > 0:
         top, out.top_logprob_ids = raw.topk(min(t.max_logprobs, raw.shape[-1]), dim=-1)
         out.top_logprobs = top - log_z
@@ -96,6 +102,8 @@ def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    if not (t.any_top_k or t.any_top_p or t.any_min_p or t.any_seeded):
+        return _gumbel_argmax(logits, t.temperatures)
     # a floor keeps tiny temperatures finite; greedy rows' picks are replaced by the caller
     logits = logits / t.temperatures.clamp_min(_MIN_TEMPERATURE)[:, None]
     if t.any_top_k or t.any_top_p:
@@ -106,6 +114,15 @@ def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         probs = probs.masked_fill(probs < threshold, 0.0)
     # argmax of p_i / E_i with E_i ~ Exp(1) i.i.d. picks i with probability p_i / sum(p)
     return probs.div_(_exponentials(probs, t)).argmax(-1)
+
+
+@maybe_compiled
+def _gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    # the same race without the softmax: argmax(p / E) = argmax(logits / T - log E);
+    # one fused pass over the logits once compiled
+    u = torch.rand_like(logits).clamp_(_TINY, 1.0)
+    scaled = logits / temperatures.clamp_min(_MIN_TEMPERATURE)[:, None]
+    return (scaled - torch.log(-torch.log(u))).argmax(-1)
 
 
 def _apply_top_k_top_p(

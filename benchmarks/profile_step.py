@@ -1,0 +1,84 @@
+"""Where a decode step's time goes on the GPU: kernel time by kind, host time by part,
+and any host<->device synchronization inside the step loop.
+
+    python benchmarks/profile_step.py [--model DIR] [--steps 20] [--no-overlap]
+
+Runs the offline workload's first 256 requests until prefill is over, then profiles
+`--steps` decode steps with torch.profiler and CUDA's sync debug mode.
+"""
+
+import argparse
+import random
+import time
+import warnings
+
+import torch
+from offline import QWEN3_CONFIG  # noqa: E402  (run from benchmarks/ or with it on the path)
+from random_model import build_random_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--no-overlap", action="store_true")
+    args = ap.parse_args()
+    import json
+    from pathlib import Path
+
+    from nanovllm import LLM, SamplingParams
+
+    cfg = json.loads(QWEN3_CONFIG.read_text())
+    path = args.model or str(build_random_model(cfg, Path("/tmp/nanovllm-qwen3-0.6b-random"))[0])
+    llm = LLM(path, max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
+              overlap=not args.no_overlap)
+    engine = llm.engine
+    random.seed(0)
+    for _ in range(256):
+        prompt = [random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
+        engine.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True,
+                                                  max_tokens=random.randint(100, 1024)))
+    while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(20):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = dict(engine.timing)
+    start = time.perf_counter()
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
+            for _ in range(args.steps):
+                engine.step()
+            torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode(0)
+    wall = time.perf_counter() - start
+    rows = len(engine.scheduler.running)
+    print(f"{args.steps} decode steps, {rows} rows, overlap={engine.overlap}: "
+          f"{wall / args.steps * 1e3:.2f} ms/step (profiled)")
+    print("host ms/step: " + ", ".join(
+        f"{k} {(v - t0[k]) / args.steps * 1e3:.2f}" for k, v in engine.timing.items()))
+    syncs = {}
+    for w in caught:
+        msg = str(w.message).splitlines()[0][:120]
+        syncs[msg] = syncs.get(msg, 0) + 1
+    print(f"synchronizing ops seen: {sum(syncs.values())}")
+    for msg, n in sorted(syncs.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"  {n:5d}  {msg}")
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=18, max_name_column_width=60
+    )
+    print(table)
+    # uninstrumented timing of the same kind of step
+    t1 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    print(f"unprofiled: {(time.perf_counter() - t1) / args.steps * 1e3:.2f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
