@@ -135,8 +135,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         opts["enforce_eager"] = True
     if args.no_overlap:
         opts["overlap"] = False
-    if args.no_compile:
-        opts["torch_compile"] = False
+    if args.compile:
+        opts["torch_compile"] = True
     return opts
 
 
@@ -251,7 +251,7 @@ def main() -> None:
     )
     ap.add_argument("--enforce-eager", action="store_true", help="engine option enforce_eager=True")
     ap.add_argument("--no-overlap", action="store_true", help="engine option overlap=False")
-    ap.add_argument("--no-compile", action="store_true", help="engine option torch_compile=False")
+    ap.add_argument("--compile", action="store_true", help="engine option torch_compile=True")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)

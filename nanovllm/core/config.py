@@ -21,7 +21,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     enforce_eager: bool = False  # no CUDA graphs
-    torch_compile: bool | None = None  # fuse norms/RoPE/SiLU/sampling (None: on GPU)
+    torch_compile: bool = False  # fuse norms/RoPE/SiLU with torch.compile (GPU; see BENCHMARKS)
     overlap: bool | None = None  # schedule step N+1 while the GPU runs step N (None: on GPU)
     seed: int = 0
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)

@@ -86,10 +86,7 @@ class ModelRunner:
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        use_compile = config.torch_compile
-        if use_compile is None:
-            use_compile = self.device.type == "cuda"
-        compile_layers.set_enabled(use_compile)
+        compile_layers.set_enabled(config.torch_compile)
         max_position = max(max_model_len or 0, model_config.max_position_embeddings)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)

@@ -1,8 +1,8 @@
-"""torch.compile for the small elementwise pieces (norms, RoPE, SiLU, sampling), on GPU only.
+"""Optional torch.compile of the small elementwise pieces (norms, RoPE, SiLU).
 
-Each of these is several tiny kernels in eager mode; compiled, each becomes one fused
-kernel. The runner turns it on for CUDA (`EngineConfig.torch_compile`); on CPU the plain
-functions run, so tests need no compiler.
+Each is several tiny kernels in eager mode and one fused kernel compiled. Off by default
+(`EngineConfig.torch_compile`): on the H200 the compiled functions' host overhead and
+start-up cost outweighed the fused kernels (BENCHMARKS.md has the figures).
 """
 
 from collections.abc import Callable

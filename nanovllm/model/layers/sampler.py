@@ -2,8 +2,6 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.model.layers.compile import maybe_compiled
-
 _M32 = 0xFFFFFFFF
 _TINY = torch.finfo(torch.float32).tiny
 _MIN_TEMPERATURE = 1e-5
@@ -116,10 +114,8 @@ def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return probs.div_(_exponentials(probs, t)).argmax(-1)
 
 
-@maybe_compiled
 def _gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    # the same race without the softmax: argmax(p / E) = argmax(logits / T - log E);
-    # one fused pass over the logits once compiled
+    # the same race without the softmax: argmax(p / E) = argmax(logits / T - log E)
     u = torch.rand_like(logits).clamp_(_TINY, 1.0)
     scaled = logits / temperatures.clamp_min(_MIN_TEMPERATURE)[:, None]
     return (scaled - torch.log(-torch.log(u))).argmax(-1)
