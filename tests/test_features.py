@@ -76,3 +76,14 @@ def test_cli_chat_streams_and_exits(tiny_llama):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("> ") >= 3
+
+
+def test_kernel_warmup_leaves_the_engine_clean(tiny_llama):
+    # on GPU it runs at start-up; here it runs the same steps through the torch backend
+    llm = LLM(str(tiny_llama), device="cpu", block_size=4, max_num_batched_tokens=256)
+    llm.engine.runner.warmup_kernels()
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].token_ids) == 3

@@ -78,6 +78,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config, self.block_manager, self.max_model_len, self.eos_token_ids
         )
+        if self.runner.device.type == "cuda":
+            self.runner.warmup_kernels()
         self.runner.capture_graphs(self.max_model_len)
         on_gpu = self.runner.device.type == "cuda"
         self.overlap = on_gpu if config.overlap is None else config.overlap

@@ -214,6 +214,35 @@ class ModelRunner:
                 self.dtype,
             )
 
+    # ---- start-up warm-up ---------------------------------------------------------
+
+    @torch.inference_mode()
+    def warmup_kernels(self) -> None:
+        """Run one step of each batch shape class (decode, mixed, prefill chunks of several
+        lengths) so Triton compiles its kernel variants now, not inside the first requests.
+
+        Writes only into blocks that no sequence owns yet (nothing is cached at start-up).
+        """
+        bs = self.block_size
+        for q_len in (8, 16, 32, 128, min(self.config.max_num_batched_tokens - 1, 1024)):
+            rows = [(q_len, q_len), (1, 2 * bs + 1)]  # (tokens this step, context length)
+            seqs, first = [], 0
+            for i, (n, ctx) in enumerate(rows):
+                blocks = -(-ctx // bs)
+                if first + blocks > self.num_blocks:
+                    return
+                seq = Sequence(-1 - i, [0] * ctx, _PROFILE_PARAMS)
+                seq.block_table = list(range(first, first + blocks))
+                seq.num_computed_tokens = ctx - n
+                seq.num_scheduled_tokens = n
+                seqs.append(seq)
+                first += blocks
+            for batch in (ScheduledBatch(seqs), ScheduledBatch(seqs[:1])):
+                inputs = prepare_inputs(batch, bs, self.device)
+                self._logits(inputs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
     # ---- CUDA graphs ------------------------------------------------------------
 
     def capture_graphs(self, max_model_len: int) -> None:
