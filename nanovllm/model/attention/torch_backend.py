@@ -66,17 +66,16 @@ def _host_starts(query_lens: list[int]) -> list[int]:
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int):
     """Causal attention of n queries that sit at positions offset..offset+n-1 of k/v."""
     n, length = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
+    gqa = q.shape[1] != k.shape[1]  # SDPA shares each K/V head with its group: no copies
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, len, D]
     if offset == 0:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=n > 1, scale=scale)
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=n > 1, scale=scale,
+                                           enable_gqa=gqa)
     else:
         pos_q = torch.arange(offset, offset + n, device=q.device)
         mask = torch.arange(length, device=q.device)[None, :] <= pos_q[:, None]
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
+                                           enable_gqa=gqa)
     return o.transpose(0, 1)
 
 
@@ -92,12 +91,9 @@ def _decode_batched(q, k_cache, v_cache, meta, scale, rows, starts, out) -> None
     v = v_cache[tables].flatten(1, 2)
     lens = meta.context_lens[row_idx].to(q.device)
     mask = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # [R, L]
-    group = q.shape[1] // k.shape[2]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=2)
-        v = v.repeat_interleave(group, dim=2)
     qr = q[tok_idx].unsqueeze(2)  # [R, Hq, 1, D]
     o = F.scaled_dot_product_attention(
-        qr, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale
+        qr, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale,
+        enable_gqa=q.shape[1] != k.shape[2],
     )
     out[tok_idx] = o.squeeze(2)
