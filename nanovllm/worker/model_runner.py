@@ -269,13 +269,15 @@ class ModelRunner:
         want_logprobs = any(s.sampling_params.logprobs is not None for s in seqs)
         if not seqs:
             return StepHandle([], {}, None, None, None, False)
+        params = [s.sampling_params for s in seqs]
+        if any(p.uses_penalties for p in params):
+            prompts = [s.token_ids[: s.num_prompt_tokens] for s in seqs]
+            outputs = [s.output_token_ids for s in seqs]
+        else:  # only the output lengths are read: skip copying every sequence's tokens
+            prompts = [()] * len(seqs)
+            outputs = [range(s.num_output_tokens) for s in seqs]
         tensors = build_sampling_tensors(
-            [s.sampling_params for s in seqs],
-            [s.token_ids[: s.num_prompt_tokens] for s in seqs],
-            [s.output_token_ids for s in seqs],
-            self.eos_token_ids,
-            logits.shape[-1],
-            self.device,
+            params, prompts, outputs, self.eos_token_ids, logits.shape[-1], self.device
         )
         out = sample(logits, tensors)
         rows = {s.seq_id: i for i, s in enumerate(seqs)}

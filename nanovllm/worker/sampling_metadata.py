@@ -1,3 +1,5 @@
+from collections.abc import Sequence
+
 import torch
 
 from nanovllm.core.sampling_params import SamplingParams
@@ -9,8 +11,8 @@ _SEED_MASK = 2**63 - 1  # any Python int seed maps into int64's non-negative ran
 
 def build_sampling_tensors(
     params: list[SamplingParams],
-    prompt_ids: list[list[int]],
-    output_ids: list[list[int]],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
     eos_token_ids: set[int],
     vocab_size: int,
     device: torch.device | str,

@@ -1,0 +1,67 @@
+"""Host time of one decode step's bookkeeping, without a model: scheduling, input
+preparation, sampling tensors, advance and resolve, for 256 rows with ~1,000-token contexts.
+
+    python benchmarks/host_overhead.py [--rows 256] [--steps 200]
+
+On a GPU this work must stay below the GPU's step time for CPU/GPU overlap to hide it.
+"""
+
+import argparse
+import random
+import time
+
+import torch
+
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.config import EngineConfig
+from nanovllm.core.sampling_params import SamplingParams
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import Sequence
+from nanovllm.worker.inputs import prepare_inputs
+from nanovllm.worker.sampling_metadata import build_sampling_tensors
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=200)
+    args = ap.parse_args()
+    random.seed(0)
+    cfg = EngineConfig(max_num_seqs=512, max_num_batched_tokens=16384, block_size=16)
+    bm = BlockManager(args.rows * 200, 16)
+    sched = Scheduler(cfg, bm, max_model_len=4096)
+    seqs = []
+    for i in range(args.rows):
+        prompt = [random.randrange(10000) for _ in range(random.randint(500, 1000))]
+        seq = Sequence(i, prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=2000))
+        sched.add(seq)
+        seqs.append(seq)
+    while sched.waiting or any(s.in_prefill for s in sched.running):  # prefill, no model
+        batch = sched.schedule()
+        sched.postprocess(batch, [1] * len(batch.sampling_seqs))
+    device = torch.device("cpu")
+    t = {"schedule": 0.0, "prepare_inputs": 0.0, "sampling_tensors": 0.0, "advance+resolve": 0.0}
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        batch = sched.schedule()
+        t1 = time.perf_counter()
+        prepare_inputs(batch, 16, device)
+        t2 = time.perf_counter()
+        rows = batch.sampling_seqs
+        # as ModelRunner.launch does when no row uses penalties: lengths only
+        build_sampling_tensors([s.sampling_params for s in rows], [()] * len(rows),
+                               [range(s.num_output_tokens) for s in rows], set(), 151936, device)
+        t3 = time.perf_counter()
+        sched.advance(batch)
+        sched.resolve(rows, [7] * len(rows))
+        t4 = time.perf_counter()
+        for k, dt in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            t[k] += dt
+    total = sum(t.values())
+    print(f"{args.rows} decode rows, {args.steps} steps: {total / args.steps * 1e3:.2f} ms/step")
+    for k, v in t.items():
+        print(f"  {k:<18}{v / args.steps * 1e3:7.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
