@@ -1,8 +1,8 @@
 """Optional torch.compile of the small elementwise pieces (norms, RoPE, SiLU).
 
 Each is several tiny kernels in eager mode and one fused kernel compiled. Off by default
-(`EngineConfig.torch_compile`): on the H200 the compiled functions' host overhead and
-start-up cost outweighed the fused kernels (BENCHMARKS.md has the figures).
+(`EngineConfig.torch_compile`) until it is measured on a warm GPU against the uncompiled
+engine; it adds ~30 s to start-up (BENCHMARKS.md has the figures so far).
 """
 
 from collections.abc import Callable
