@@ -3,7 +3,7 @@
 # each under its own time limit. Usage on the GPU machine (repo root):
 #   bash scripts/gpu_check.sh [offline.py args...]
 # Logs go to $OUT (or ./gpu-out). Missing pure-Python packages travel as wheels in .whl/
-# (git-ignored); the GPU image lacks only `gguf`:
+# (git-ignored: name `.whl` in the device tool's carry); the GPU image lacks only `gguf`:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 -d .whl gguf==0.19.0
 set -o pipefail
