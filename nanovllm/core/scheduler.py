@@ -1,5 +1,5 @@
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.config import EngineConfig
@@ -10,20 +10,23 @@ PLACEHOLDER = -1  # a sampled token still on the device
 
 @dataclass
 class ScheduledBatch:
-    """What runs this step: each sequence with `num_scheduled_tokens` set."""
+    """What runs this step: each sequence with `num_scheduled_tokens` set.
+
+    `sampling_seqs` (rows whose tokens are all computed after this step, so they sample one
+    token each) is fixed when the batch is made, so it still holds after `advance`.
+    """
 
     seqs: list[Sequence]
+    sampling_seqs: list[Sequence] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sampling_seqs = [
+            s for s in self.seqs if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens
+        ]
 
     @property
     def num_tokens(self) -> int:
         return sum(seq.num_scheduled_tokens for seq in self.seqs)
-
-    @property
-    def sampling_seqs(self) -> list[Sequence]:
-        """Rows whose tokens are all computed after this step: they sample one token each."""
-        return [
-            s for s in self.seqs if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens
-        ]
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -219,10 +222,9 @@ class Scheduler:
 
         `token_ids` holds one token per row of `batch.sampling_seqs`, in that order.
         """
-        sampling = batch.sampling_seqs
-        assert len(sampling) == len(token_ids)
+        assert len(batch.sampling_seqs) == len(token_ids)
         self.advance(batch)
-        return [seq for seq in self.resolve(sampling, token_ids) if seq.is_finished]
+        return [seq for seq in self.resolve(batch.sampling_seqs, token_ids) if seq.is_finished]
 
     def advance(self, batch: ScheduledBatch) -> None:
         """The batch was launched: count its tokens as computed and give each sampling row
@@ -269,8 +271,6 @@ class Scheduler:
                 return FinishReason.STOP, None
             if token_id in sp.stop_token_ids:
                 return FinishReason.STOP, token_id
-        if sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens:
-            return FinishReason.LENGTH, None
-        if seq.num_tokens >= self.max_model_len:
+        if self._will_stop_by_length(seq):
             return FinishReason.LENGTH, None
         return None

@@ -8,7 +8,7 @@ from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.config import EngineConfig
 from nanovllm.core.errors import ConfigError, InvalidRequestError
 from nanovllm.core.sampling_params import SamplingParams
-from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import FinishReason, Sequence
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.outputs import CompletionOutput, RequestOutput
@@ -78,10 +78,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config, self.block_manager, self.max_model_len, self.eos_token_ids
         )
-        if self.runner.device.type == "cuda":
+        on_gpu = self.runner.device.type == "cuda"
+        if on_gpu:
             self.runner.warmup_kernels()
         self.runner.capture_graphs(self.max_model_len)
-        on_gpu = self.runner.device.type == "cuda"
         self.overlap = on_gpu if config.overlap is None else config.overlap
         self._inflight: StepHandle | None = None
         self.requests: dict[str, Request] = {}
@@ -205,7 +205,7 @@ class LLMEngine:
         if self._inflight is not None and not self._can_overlap(batch):
             self._resolve(self._inflight, touched)
             self._inflight = None
-            batch.seqs = [s for s in batch.seqs if not s.is_finished]
+            batch = ScheduledBatch([s for s in batch.seqs if not s.is_finished])
         handle = None
         if batch:
             self._count(batch)
@@ -250,13 +250,15 @@ class LLMEngine:
         out = self.runner.collect(handle)
         t1 = time.perf_counter()
         self.timing["wait"] += t1 - t0
-        logprobs = dict(zip((s.seq_id for s in handle.seqs), out.logprobs, strict=True))
+        logprobs = {}
+        if handle.want_logprobs:
+            logprobs = dict(zip((s.seq_id for s in handle.seqs), out.logprobs, strict=True))
         for seq in self.scheduler.resolve(handle.seqs, out.token_ids):
             owner = self._owner.get(seq.seq_id)
             if owner is None:
                 continue
             req, i = owner
-            if logprobs[seq.seq_id] is not None:
+            if logprobs.get(seq.seq_id) is not None:
                 seq.logprobs.append(logprobs[seq.seq_id])
             if req.stream or seq.sampling_params.stop_list:
                 self._update_text(req, i, seq)  # incremental: streaming, or stop strings

@@ -16,6 +16,7 @@ from nanovllm.model.loader.weights import load_weights
 from nanovllm.model.models.registry import build_model
 from nanovllm.worker.inputs import StepInputs, prepare_inputs
 from nanovllm.worker.sampling_metadata import build_sampling_tensors
+from nanovllm.worker.staging import to_device
 
 log = logging.getLogger("nanovllm")
 
@@ -142,11 +143,7 @@ class ModelRunner:
         seqs = []
         for i in range(rows):
             n = min(row_len, tokens - i * row_len)
-            seq = Sequence(-1 - i, [0] * n, _PROFILE_PARAMS)
-            first = i * (blocks // rows)
-            seq.block_table = list(range(first, first + -(-n // self.block_size)))
-            seq.num_scheduled_tokens = n
-            seqs.append(seq)
+            seqs.append(_dummy_seq(i, n, n, i * (blocks // rows), self.block_size))
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -228,15 +225,10 @@ class ModelRunner:
             rows = [(q_len, q_len), (1, 2 * bs + 1)]  # (tokens this step, context length)
             seqs, first = [], 0
             for i, (n, ctx) in enumerate(rows):
-                blocks = -(-ctx // bs)
-                if first + blocks > self.num_blocks:
+                if first + -(-ctx // bs) > self.num_blocks:
                     return
-                seq = Sequence(-1 - i, [0] * ctx, _PROFILE_PARAMS)
-                seq.block_table = list(range(first, first + blocks))
-                seq.num_computed_tokens = ctx - n
-                seq.num_scheduled_tokens = n
-                seqs.append(seq)
-                first += blocks
+                seqs.append(_dummy_seq(i, ctx, n, first, bs))
+                first += len(seqs[-1].block_table)
             for batch in (ScheduledBatch(seqs), ScheduledBatch(seqs[:1])):
                 inputs = prepare_inputs(batch, bs, self.device)
                 self._logits(inputs)
@@ -294,11 +286,8 @@ class ModelRunner:
             return
         assert prev is not None and prev.out is not None, "a placeholder with no step in flight"
         src = [prev.rows[seq_id] for seq_id in inputs.placeholder_seq_ids]
-        dst = torch.tensor(inputs.placeholder_positions, dtype=torch.int64)
-        src_t = torch.tensor(src, dtype=torch.int64)
-        if self.device.type == "cuda":
-            dst = dst.pin_memory().to(self.device, non_blocking=True)
-            src_t = src_t.pin_memory().to(self.device, non_blocking=True)
+        dst = to_device(inputs.placeholder_positions, torch.int64, self.device)
+        src_t = to_device(src, torch.int64, self.device)
         inputs.input_ids.index_copy_(0, dst, prev.out.token_ids.index_select(0, src_t))
 
     def _logits(self, inputs: StepInputs) -> torch.Tensor:
@@ -338,6 +327,18 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         return self.collect(self.launch(batch))
+
+
+def _dummy_seq(
+    i: int, context_len: int, num_new: int, first_block: int, block_size: int
+) -> Sequence:
+    """A sequence of `context_len` zero tokens whose last `num_new` run this step, on
+    consecutive blocks from `first_block` (start-up profiling and warm-up only)."""
+    seq = Sequence(-1 - i, [0] * context_len, _PROFILE_PARAMS)
+    seq.block_table = list(range(first_block, first_block + -(-context_len // block_size)))
+    seq.num_computed_tokens = context_len - num_new
+    seq.num_scheduled_tokens = num_new
+    return seq
 
 
 def _profile_params():
