@@ -2,6 +2,8 @@
 # One device run: the offline benchmark, the GPU tests and the attention micro-benchmark,
 # each under its own time limit. Usage on the GPU machine (repo root):
 #   bash scripts/gpu_check.sh [offline.py args...]
+# ABLATE="--no-overlap,--enforce-eager" also runs the benchmark once per listed switch
+# (comma-separated offline.py flags; peer skipped) and PROFILE=1 runs profile_step.py.
 # Logs go to $OUT (or ./gpu-out). Missing pure-Python packages travel as wheels in .whl/
 # (git-ignored: name `.whl` in the device tool's carry); the GPU image lacks only `gguf`:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -24,4 +26,16 @@ if [ -z "$SKIP_TESTS" ]; then
     tests/test_gpu_engine.py tests/test_sampler.py tests/test_triton_attention.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -25
   timeout "${ATTN_S:-90}" python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.log" | tail -20
+fi
+IFS=, read -ra ablations <<< "${ABLATE:-}"
+for flags in "${ablations[@]}"; do
+  name=$(echo "$flags" | tr -cd 'a-z-' | sed 's/^-*//')
+  echo "== ablation: $flags"
+  # shellcheck disable=SC2086
+  timeout "${OFFLINE_S:-240}" python3 benchmarks/offline.py --no-peer $flags \
+    --out "$OUT/offline-$name.json" 2>&1 | tee "$OUT/offline-$name.log" | tail -8
+done
+if [ -n "$PROFILE" ]; then
+  timeout "${PROFILE_S:-150}" python3 benchmarks/profile_step.py 2>&1 | tee "$OUT/profile.log" \
+    | tail -40
 fi
