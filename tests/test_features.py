@@ -80,8 +80,11 @@ def test_cli_chat_streams_and_exits(tiny_llama):
 
 def test_kernel_warmup_leaves_the_engine_clean(tiny_llama):
     # on GPU it runs at start-up; here it runs the same steps through the torch backend
-    llm = LLM(str(tiny_llama), device="cpu", block_size=4, max_num_batched_tokens=256)
-    llm.engine.runner.warmup_kernels()
+    # a long step budget with a short max_model_len: warm-up positions must stay inside
+    # the RoPE table (which ends at max(max_model_len, max_position_embeddings))
+    llm = LLM(str(tiny_llama), device="cpu", block_size=4, max_num_batched_tokens=2048,
+              max_model_len=64)
+    llm.engine.runner.warmup_kernels(llm.engine.max_model_len)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),

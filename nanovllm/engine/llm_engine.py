@@ -80,7 +80,7 @@ class LLMEngine:
         )
         on_gpu = self.runner.device.type == "cuda"
         if on_gpu:
-            self.runner.warmup_kernels()
+            self.runner.warmup_kernels(self.max_model_len)
         self.runner.capture_graphs(self.max_model_len)
         self.overlap = on_gpu if config.overlap is None else config.overlap
         self._inflight: StepHandle | None = None

@@ -214,15 +214,19 @@ class ModelRunner:
     # ---- start-up warm-up ---------------------------------------------------------
 
     @torch.inference_mode()
-    def warmup_kernels(self) -> None:
+    def warmup_kernels(self, max_model_len: int) -> None:
         """Run one step of each batch shape class (decode, mixed, prefill chunks of several
         lengths) so Triton compiles its kernel variants now, not inside the first requests.
 
         Writes only into blocks that no sequence owns yet (nothing is cached at start-up).
+        Positions stay below max_model_len (the RoPE table may end there).
         """
         bs = self.block_size
-        for q_len in (8, 16, 32, 128, min(self.config.max_num_batched_tokens - 1, 1024)):
-            rows = [(q_len, q_len), (1, 2 * bs + 1)]  # (tokens this step, context length)
+        longest = min(self.config.max_num_batched_tokens - 1, 1024, max_model_len - 1)
+        q_lens = sorted({min(n, longest) for n in (8, 16, 32, 128, longest)})
+        decode_ctx = min(2 * bs + 1, max_model_len)
+        for q_len in q_lens:
+            rows = [(q_len, q_len), (1, decode_ctx)]  # (tokens this step, context length)
             seqs, first = [], 0
             for i, (n, ctx) in enumerate(rows):
                 if first + -(-ctx // bs) > self.num_blocks:
