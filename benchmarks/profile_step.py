@@ -42,6 +42,7 @@ def main() -> None:
         engine.step()
     for _ in range(20):
         engine.step()
+    parts = _time_launch_parts()
     torch.cuda.synchronize()
     t0 = dict(engine.timing)
     start = time.perf_counter()
@@ -61,6 +62,12 @@ def main() -> None:
           f"{wall / args.steps * 1e3:.2f} ms/step (profiled)")
     print("host ms/step: " + ", ".join(
         f"{k} {(v - t0[k]) / args.steps * 1e3:.2f}" for k, v in engine.timing.items()))
+    print("inside launch, ms/step: " + ", ".join(
+        f"{k} {v / args.steps * 1e3:.2f}" for k, v in parts.items()))
+    kernel_us = sum(e.device_time_total for e in prof.key_averages()
+                    if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"GPU kernel time {kernel_us / args.steps / 1e3:.2f} ms/step "
+          f"({kernel_us / 1e6 / wall:.0%} of profiled wall time)")
     syncs = {}
     for w in caught:
         msg = str(w.message).splitlines()[0][:120]
@@ -78,6 +85,28 @@ def main() -> None:
         engine.step()
     torch.cuda.synchronize()
     print(f"unprofiled: {(time.perf_counter() - t1) / args.steps * 1e3:.2f} ms/step")
+
+
+def _time_launch_parts() -> dict[str, float]:
+    """Wrap the pieces of ModelRunner.launch with host timers (seconds, summed)."""
+    from nanovllm.worker import model_runner as mr
+
+    parts: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
+        return wrapper
+
+    for name in ("prepare_inputs", "build_sampling_tensors", "sample"):
+        setattr(mr, name, timed(name, getattr(mr, name)))
+    for name in ("_fill_placeholders", "_logits"):
+        setattr(mr.ModelRunner, name, timed(name, getattr(mr.ModelRunner, name)))
+    return parts
 
 
 if __name__ == "__main__":

@@ -62,18 +62,24 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     Log-probs follow vLLM's default ("raw_logprobs"): log_softmax of the logits as
     the model returned them, before penalties, masks, temperature and filters.
     """
-    raw = logits.float()
+    one_pass = _one_pass_kernel(logits, t)
+    plain = t.output_token_counts is None and t.min_tokens_mask is None
+    want_logprobs = t.any_logprobs or t.max_logprobs > 0
+    # the float32 copy is needed for penalties, masks, logprobs and the torch path
+    raw = logits if one_pass and plain and not want_logprobs else logits.float()
     logits = apply_penalties(raw, t)
     if t.min_tokens_mask is not None:
         logits = logits.index_put(t.min_tokens_mask, logits.new_full((), float("-inf")))
-    if t.all_greedy:
+    if one_pass:
+        token_ids = one_pass(logits, t.temperatures, _MIN_TEMPERATURE)
+    elif t.all_greedy:
         token_ids = logits.argmax(-1)
     else:
         token_ids = _sample_random(logits, t)
         if t.any_greedy:
             token_ids = torch.where(t.temperatures == 0, logits.argmax(-1), token_ids)
     out = SamplerOutput(token_ids, None)
-    if not (t.any_logprobs or t.max_logprobs > 0):
+    if not want_logprobs:
         return out  # a full pass over [B, V] saved
     log_z = raw.logsumexp(-1, keepdim=True)
     out.logprobs = (raw.gather(1, token_ids[:, None]) - log_z).squeeze(1)
@@ -81,6 +87,27 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         top, out.top_logprob_ids = raw.topk(min(t.max_logprobs, raw.shape[-1]), dim=-1)
         out.top_logprobs = top - log_z
     return out
+
+
+_triton_sampling = True
+
+
+def set_triton_sampling(enabled: bool) -> None:
+    """Use the one-pass Triton kernel on CUDA when a batch allows it (default on)."""
+    global _triton_sampling
+    _triton_sampling = enabled
+
+
+def _one_pass_kernel(logits: torch.Tensor, t: SamplingTensors):
+    """The Triton one-pass sampler when it can serve this batch on this device, else None:
+    greedy and temperature rows only (no top-k/top-p/min-p, no seeded rows)."""
+    if not (_triton_sampling and logits.is_cuda) or logits.stride(-1) != 1:
+        return None
+    if not t.all_greedy and (t.any_top_k or t.any_top_p or t.any_min_p or t.any_seeded):
+        return None
+    from nanovllm.model.layers.triton_sampler import gumbel_argmax
+
+    return gumbel_argmax
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

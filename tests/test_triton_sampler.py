@@ -1,0 +1,68 @@
+"""The one-pass Triton sampler against torch: greedy rows give argmax exactly (ties to the
+lowest id), temperature rows follow softmax(logits / T) by a chi-square test.
+
+Without CUDA the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set in
+conftest.py before triton loads); with CUDA the same checks run compiled, and the sampler
+tests in test_sampler.py go through this kernel via `sample`.
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+ts = importlib.import_module("nanovllm.model.layers.triton_sampler")
+from tests.test_sampler import SMALL, assert_matches  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_rows_are_torch_argmax(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 300, generator=gen).to(dtype)
+    logits[1, 10] = logits[1, 250] = logits[1].max() + 1  # a tie: the lower id wins
+    logits[2] = float("-inf")  # argmax of an all -inf row is id 0
+    logits[3, :] = 0.0
+    logits = logits.to(DEVICE)
+    out = ts.gumbel_argmax(logits, torch.zeros(6, device=DEVICE), 1e-5)
+    assert out.dtype == torch.int64
+    assert out.cpu().tolist() == logits.float().argmax(-1).cpu().tolist()
+    assert out[1].item() == 10 and out[2].item() == 0
+
+
+def test_vocab_wider_than_one_tile_and_strided_rows() -> None:
+    # several tiles per row, a width that is not a power of two, rows with padding between
+    # them (a slice of a wider tensor), and the maximum in the last partial tile
+    wide = torch.randn(3, 9000 + 100)
+    logits = wide[:, :9000]
+    logits[0, 8999] = 100.0
+    logits[2, 4096] = 100.0
+    out = ts.gumbel_argmax(logits.to(DEVICE), torch.zeros(3, device=DEVICE), 1e-5)
+    assert out.cpu().tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.6])
+def test_temperature_rows_follow_softmax(temperature: float) -> None:
+    n = 1500 if DEVICE == "cpu" else 50_000  # one interpreted program per row
+    logits = SMALL.expand(n, -1).contiguous().to(DEVICE)
+    temps = torch.full((n,), temperature, device=DEVICE)
+    out = ts.gumbel_argmax(logits, temps, 1e-5, seed=1234)
+    assert_matches(out, torch.softmax(SMALL.double() / temperature, -1))
+
+
+def test_mixed_rows_and_fresh_noise_per_call() -> None:
+    n = 64
+    logits = torch.randn(n, 40).to(DEVICE)
+    temps = torch.tensor([0.0, 1.0] * (n // 2), device=DEVICE)
+    a = ts.gumbel_argmax(logits, temps, 1e-5)
+    b = ts.gumbel_argmax(logits, temps, 1e-5)
+    greedy = logits.argmax(-1)
+    assert torch.equal(a[0::2], greedy[0::2]) and torch.equal(b[0::2], greedy[0::2])
+    assert not torch.equal(a[1::2], b[1::2])  # a new seed per call
+    same = ts.gumbel_argmax(logits, temps, 1e-5, seed=7)
+    assert torch.equal(same, ts.gumbel_argmax(logits, temps, 1e-5, seed=7))
