@@ -17,7 +17,7 @@ from nanovllm.core.config import EngineConfig
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.core.scheduler import Scheduler
 from nanovllm.core.sequence import Sequence
-from nanovllm.worker.inputs import prepare_inputs
+from nanovllm.worker.inputs import InputBuffers
 from nanovllm.worker.sampling_metadata import build_sampling_tensors
 
 
@@ -40,12 +40,13 @@ def main() -> None:
         batch = sched.schedule()
         sched.postprocess(batch, [1] * len(batch.sampling_seqs))
     device = torch.device("cpu")
+    buffers = InputBuffers(16384, 512, 4096 // 16, 16, device)  # as the engine keeps them
     t = {"schedule": 0.0, "prepare_inputs": 0.0, "sampling_tensors": 0.0, "advance+resolve": 0.0}
     for _ in range(args.steps):
         t0 = time.perf_counter()
         batch = sched.schedule()
         t1 = time.perf_counter()
-        prepare_inputs(batch, 16, device)
+        buffers.prepare(batch)
         t2 = time.perf_counter()
         rows = batch.sampling_seqs
         # as ModelRunner.launch does when no row uses penalties: lengths only

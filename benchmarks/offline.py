@@ -137,6 +137,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         opts["overlap"] = False
     if args.compile:
         opts["torch_compile"] = True
+    if args.no_fused:
+        opts["fused_kernels"] = False
     return opts
 
 
@@ -252,6 +254,7 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true", help="engine option enforce_eager=True")
     ap.add_argument("--no-overlap", action="store_true", help="engine option overlap=False")
     ap.add_argument("--compile", action="store_true", help="engine option torch_compile=True")
+    ap.add_argument("--no-fused", action="store_true", help="engine option fused_kernels=False")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)

@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh [offline.py args...]
 # ABLATE="--no-overlap,--enforce-eager" also runs the benchmark once per listed switch
 # (comma-separated offline.py flags; peer skipped) and PROFILE=1 runs profile_step.py.
+# SKIP_OFFLINE, SKIP_TESTS, SKIP_ATTN leave those parts out.
 # Logs go to $OUT (or ./gpu-out). Missing pure-Python packages travel as wheels in .whl/
 # (git-ignored: name `.whl` in the device tool's carry); the GPU image lacks only `gguf`:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -22,9 +23,14 @@ if [ -z "$SKIP_OFFLINE" ]; then
     | tee "$OUT/offline.log" | tail -25
 fi
 if [ -z "$SKIP_TESTS" ]; then
-  timeout "${TESTS_S:-240}" python3 -m pytest -q --maxfail=10 -m gpu -p no:cacheprovider \
-    tests/test_gpu_engine.py tests/test_sampler.py tests/test_triton_attention.py 2>&1 \
-    | tee "$OUT/gpu_tests.log" | tail -25
+  # TESTS: pytest arguments (default: every GPU-marked test; tests that take a device
+  # fixture run on CUDA too when they are named here without -m gpu)
+  # shellcheck disable=SC2086
+  timeout "${TESTS_S:-300}" python3 -m pytest -q --maxfail=10 -p no:cacheprovider \
+    ${TESTS:--m gpu tests/test_gpu_engine.py tests/test_sampler.py tests/test_triton_attention.py} \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+fi
+if [ -z "$SKIP_ATTN" ]; then
   timeout "${ATTN_S:-90}" python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.log" | tail -20
 fi
 IFS=, read -ra ablations <<< "${ABLATE:-}"

@@ -22,6 +22,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     enforce_eager: bool = False  # no CUDA graphs
     torch_compile: bool = False  # fuse norms/RoPE/SiLU with torch.compile (GPU; see BENCHMARKS)
+    fused_kernels: bool = True  # CUDA: Triton norms/RoPE/SiLU and one-pass sampler (off: torch)
     overlap: bool | None = None  # schedule step N+1 while the GPU runs step N (None: on GPU)
     seed: int = 0
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)

@@ -79,9 +79,7 @@ class LLMEngine:
             config, self.block_manager, self.max_model_len, self.eos_token_ids
         )
         on_gpu = self.runner.device.type == "cuda"
-        if on_gpu:
-            self.runner.warmup_kernels(self.max_model_len)
-        self.runner.capture_graphs(self.max_model_len)
+        self.runner.setup_steps(self.max_model_len)
         self.overlap = on_gpu if config.overlap is None else config.overlap
         self._inflight: StepHandle | None = None
         self.requests: dict[str, Request] = {}

@@ -5,6 +5,7 @@ batch padded up to the next size. Padded rows write no KV (slot -1) and attend t
 import torch
 
 from nanovllm.model.attention.metadata import AttentionMetadata
+from nanovllm.worker.inputs import InputBuffers
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -13,35 +14,28 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
+    """Decode graphs captured over `InputBuffers`' device tensors: a step prepared with
+    `pad_rows=padded_size(rows)` is already in place, so `replay` launches nothing else."""
+
     def __init__(
-        self,
-        model: torch.nn.Module,
-        max_num_seqs: int,
+        self, model: torch.nn.Module, buffers: InputBuffers, max_num_seqs: int,
         max_model_len: int,
-        block_size: int,
-        device: torch.device,
     ) -> None:
         self.model = model
+        self.buffers = buffers
         self.max_model_len = max_model_len
         self.sizes = graph_batch_sizes(max_num_seqs)
-        max_bs = self.sizes[-1]
-        max_blocks = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
-        self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
     def _meta(self, bs: int) -> AttentionMetadata:
         # host-side values are those of the worst case, so launch shapes fit any batch
+        b = self.buffers
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
-            query_start_loc=self.query_start_loc[: bs + 1],
-            context_lens=self.context_lens[:bs],
-            block_tables=self.block_tables[:bs],
+            slot_mapping=b.slots(bs),
+            query_start_loc=b.query_start_loc(bs),
+            context_lens=b.context_lens(bs),
+            block_tables=b.block_tables(bs),
             max_query_len=1,
             max_context_len=self.max_model_len,
             query_lens_host=[1] * bs,
@@ -49,11 +43,13 @@ class DecodeGraphs:
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        b = self.buffers
+        hidden = self.model(b.input_ids(bs), b.positions(bs), self._meta(bs))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
+        self.buffers.reset()
         pool = None
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool
             self._forward(bs)  # warm-up: Triton compiles, cuBLAS picks kernels
@@ -65,22 +61,11 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def can_run(self, num_rows: int) -> bool:
-        return num_rows <= self.sizes[-1]
+    def padded_size(self, num_rows: int) -> int | None:
+        """The graph batch size a decode step of `num_rows` runs at; None if too large."""
+        return next((s for s in self.sizes if s >= num_rows), None)
 
-    def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Logits [num_rows, V] of a decode-only batch, by graph replay."""
-        n = input_ids.shape[0]
-        bs = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.slot_mapping[n:bs].fill_(-1)
-        self.context_lens[:n].copy_(meta.context_lens, non_blocking=True)
-        self.context_lens[n:bs].zero_()
-        width = meta.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+    def replay(self, bs: int, num_rows: int) -> torch.Tensor:
+        """Logits [num_rows, V] of a decode step already written into the buffers."""
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        return self.logits[bs][:num_rows]

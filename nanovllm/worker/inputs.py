@@ -1,4 +1,17 @@
-"""A scheduled batch as flat tensors: the inputs of one forward pass."""
+"""A scheduled batch as flat tensors: the inputs of one forward pass.
+
+`InputBuffers` keeps every step input at a fixed place in two persistent device tensors
+(one int64, one int32), filled from pinned host arrays by one copy per dtype. Fixed
+addresses let a captured CUDA graph read a decode step's inputs where they land, with no
+copy kernels, and persistent pinned memory spares a pinned allocation per tensor per step.
+
+int64 buffer (T = max tokens per step, R = max rows):
+    [0, T) input ids | [T, 2T) positions | [2T, 3T) slots | [3T, 3T+R) logits indices
+    | [3T+R, 3T+2R) placeholder token positions | [3T+2R, 3T+3R) their rows in the
+    previous step's sampled tokens
+int32 buffer (W = block table width, fixed: ceil(max_model_len / block_size)):
+    [0, R+1) query start locations | [R+1, 2R+1) context lengths | [2R+1, 2R+1+R*W) tables
+"""
 
 from dataclasses import dataclass
 
@@ -7,7 +20,6 @@ import torch
 
 from nanovllm.core.scheduler import PLACEHOLDER, ScheduledBatch
 from nanovllm.model.attention.metadata import AttentionMetadata
-from nanovllm.worker.staging import to_device
 
 
 @dataclass
@@ -18,75 +30,200 @@ class StepInputs:
     logits_indices: torch.Tensor  # [S] int64: the last token of each sampling row
     num_sampling_rows: int
     decode_only: bool
-    # flat token positions whose token is still on the device, and the row of the previous
-    # step's sampled tokens that holds it
-    placeholder_positions: list[int]
+    # flat token positions whose token is still on the device ([P] int64), and the row of
+    # the previous step's sampled tokens that holds each ([P] int64); P may be 0
+    placeholder_positions: torch.Tensor
+    placeholder_rows: torch.Tensor
     placeholder_seq_ids: list[int]
+    padded_rows: int  # rows including padding (a CUDA graph's batch size), >= meta.num_rows
+
+
+class InputBuffers:
+    """Persistent step-input storage (see the module docstring for the layout).
+
+    On CUDA the host side is two sets of pinned arrays used in turn: a set is rewritten
+    only after the copy queued from it two steps ago has run (an event says so), so the
+    host never waits on the step in flight. On CPU the host arrays are the tensors.
+    """
+
+    def __init__(
+        self, max_tokens: int, max_rows: int, table_width: int, block_size: int,
+        device: torch.device,
+    ) -> None:
+        T, R, W = max_tokens, max_rows, table_width
+        self.T, self.R, self.W, self.block_size, self.device = T, R, W, block_size, device
+        self.n64, self.n32 = 3 * T + 3 * R, 2 * R + 1 + R * W
+        self.dev64 = torch.zeros(self.n64, dtype=torch.int64, device=device)
+        self.dev32 = torch.zeros(self.n32, dtype=torch.int32, device=device)
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.hosts = [
+                (torch.zeros(self.n64, dtype=torch.int64, pin_memory=True),
+                 torch.zeros(self.n32, dtype=torch.int32, pin_memory=True))
+                for _ in range(2)
+            ]
+            self.events: list[torch.cuda.Event | None] = [None, None]
+        else:
+            self.hosts = [(self.dev64, self.dev32)]
+        self._turn = 0
+        self._arange = np.arange(R + 1, dtype=np.int32)
+        self.reset()
+
+    def reset(self) -> None:
+        """Inputs that make every row harmless: one token, slot -1 (no KV write), context 0
+        (attends to nothing). CUDA graphs are captured over this state."""
+        T, R = self.T, self.R
+        for b64, b32 in [(self.dev64, self.dev32)] + self.hosts:
+            b64.zero_()
+            b64[2 * T : 3 * T].fill_(-1)
+            b32.zero_()
+            b32[: R + 1].copy_(torch.from_numpy(self._arange))
+
+    # device views at fixed addresses (what a CUDA graph captures)
+    def input_ids(self, n: int) -> torch.Tensor:
+        return self.dev64[:n]
+
+    def positions(self, n: int) -> torch.Tensor:
+        return self.dev64[self.T : self.T + n]
+
+    def slots(self, n: int) -> torch.Tensor:
+        return self.dev64[2 * self.T : 2 * self.T + n]
+
+    def query_start_loc(self, rows: int) -> torch.Tensor:
+        return self.dev32[: rows + 1]
+
+    def context_lens(self, rows: int) -> torch.Tensor:
+        return self.dev32[self.R + 1 : self.R + 1 + rows]
+
+    def block_tables(self, rows: int) -> torch.Tensor:
+        start = 2 * self.R + 1
+        return self.dev32[start : start + rows * self.W].view(rows, self.W)
+
+    def prepare(
+        self, batch: ScheduledBatch, pad_rows: int = 0, prev_rows: dict[int, int] | None = None
+    ) -> StepInputs:
+        """Write `batch` into the next host set and queue its copy to the device.
+
+        `pad_rows` > rows pads a decode batch up to a CUDA graph's batch size: padding rows
+        have one token, slot -1 and context 0. `prev_rows` maps a sequence id to its row in
+        the previous step's sampled tokens (needed when the batch has placeholders).
+        """
+        T, R, W, bs = self.T, self.R, self.W, self.block_size
+        seqs = batch.seqs
+        r = len(seqs)
+        padded = max(pad_rows, r)
+        k = self._turn
+        self._turn = (k + 1) % len(self.hosts)
+        if self.cuda and self.events[k] is not None:
+            self.events[k].synchronize()  # its copy ran long ago; this does not wait
+        h64_t, h32_t = self.hosts[k]
+        h64, h32 = h64_t.numpy(), h32_t.numpy()
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        logits_indices: list[int] = []
+        ph_pos: list[int] = []
+        ph_seq: list[int] = []
+        tables: list[list[int]] = []
+        for seq in seqs:
+            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+            end = start + n
+            table = seq.block_table
+            if n == 1:
+                token = seq.token_ids[start]
+                if token == PLACEHOLDER:
+                    ph_pos.append(len(input_ids))
+                    ph_seq.append(seq.seq_id)
+                input_ids.append(token)
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                tokens = seq.token_ids[start:end]
+                if tokens[-1] == PLACEHOLDER:  # only ever the last token of a sequence
+                    ph_pos.append(len(input_ids) + n - 1)
+                    ph_seq.append(seq.seq_id)
+                input_ids.extend(tokens)
+                positions.extend(range(start, end))
+                pos = start
+                while pos < end:  # one contiguous run of slots per block
+                    block, offset = divmod(pos, bs)
+                    run = min(bs - offset, end - pos)
+                    base = table[block] * bs + offset
+                    slots.extend(range(base, base + run))
+                    pos += run
+            query_lens.append(n)
+            context_lens.append(end)
+            tables.append(table)
+            if end == seq.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+        t, s, p = len(input_ids), len(logits_indices), len(ph_pos)
+        pad = padded - r  # padding rows: one token each
+        if t + pad > T or padded > R:
+            raise ValueError(f"a step of {t + pad} tokens / {padded} rows exceeds the buffers")
+        h64[:t] = input_ids
+        h64[T : T + t] = positions
+        h64[2 * T : 2 * T + t] = slots
+        h64[3 * T : 3 * T + s] = logits_indices
+        if p:
+            assert prev_rows is not None, "placeholder tokens but no step in flight"
+            h64[3 * T + R : 3 * T + R + p] = ph_pos
+            h64[3 * T + 2 * R : 3 * T + 2 * R + p] = [prev_rows[sid] for sid in ph_seq]
+        h32[R + 1 : R + 1 + r] = context_lens
+        if pad:
+            h64[t : t + pad] = 0
+            h64[T + t : T + t + pad] = 0
+            h64[2 * T + t : 2 * T + t + pad] = -1
+            h32[R + 1 + r : R + 1 + padded] = 0
+        if max(query_lens) == 1:
+            h32[: padded + 1] = self._arange[: padded + 1]
+        else:
+            h32[1 : r + 1] = np.cumsum(query_lens)
+            h32[r + 1 : padded + 1] = t + np.arange(1, pad + 1)
+        # block tables: one flat scatter instead of a slice assignment per row
+        lens = np.fromiter((len(tb) for tb in tables), dtype=np.int64, count=r)
+        flat = np.fromiter((b for tb in tables for b in tb), dtype=np.int32, count=int(lens.sum()))
+        row_start = np.arange(r, dtype=np.int64) * W - np.concatenate(([0], np.cumsum(lens)[:-1]))
+        h32[2 * R + 1 + np.repeat(row_start, lens) + np.arange(flat.size)] = flat
+
+        if self.cuda:
+            # the int64 copy always spans the fixed regions; ~400 KB at the default budget
+            end64 = 3 * T + 2 * R + p
+            self.dev64[:end64].copy_(h64_t[:end64], non_blocking=True)
+            end32 = 2 * R + 1 + padded * W
+            self.dev32[:end32].copy_(h32_t[:end32], non_blocking=True)
+            event = self.events[k] or torch.cuda.Event()
+            event.record()
+            self.events[k] = event
+        meta = AttentionMetadata(
+            slot_mapping=self.slots(t + pad),
+            query_start_loc=self.query_start_loc(padded),
+            context_lens=self.context_lens(padded),
+            block_tables=self.block_tables(padded),
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            query_lens_host=query_lens + [1] * pad,
+            context_lens_host=context_lens + [0] * pad,
+        )
+        return StepInputs(
+            input_ids=self.input_ids(t + pad),
+            positions=self.positions(t + pad),
+            meta=meta,
+            logits_indices=self.dev64[3 * T : 3 * T + s],
+            num_sampling_rows=s,
+            decode_only=meta.max_query_len == 1,
+            placeholder_positions=self.dev64[3 * T + R : 3 * T + R + p],
+            placeholder_rows=self.dev64[3 * T + 2 * R : 3 * T + 2 * R + p],
+            placeholder_seq_ids=ph_seq,
+            padded_rows=padded,
+        )
 
 
 def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -> StepInputs:
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_lens: list[int] = []
-    context_lens: list[int] = []
-    logits_indices: list[int] = []
-    ph_pos: list[int] = []
-    ph_seq: list[int] = []
-    seqs = batch.seqs
-    max_blocks = max(len(seq.block_table) for seq in seqs)
-    tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-    for row, seq in enumerate(seqs):
-        start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-        end = start + n
-        tokens = seq.token_ids[start:end]
-        if tokens[-1] == PLACEHOLDER:  # only ever the last token of a sequence
-            ph_pos.append(len(input_ids) + n - 1)
-            ph_seq.append(seq.seq_id)
-        input_ids.extend(tokens)
-        table = seq.block_table
-        if n == 1:
-            positions.append(start)
-            slots.append(table[start // block_size] * block_size + start % block_size)
-        else:
-            positions.extend(range(start, end))
-            pos = start
-            while pos < end:  # one contiguous run of slots per block
-                block, offset = divmod(pos, block_size)
-                run = min(block_size - offset, end - pos)
-                base = table[block] * block_size + offset
-                slots.extend(range(base, base + run))
-                pos += run
-        query_lens.append(n)
-        context_lens.append(end)
-        tables[row, : len(table)] = table
-        if end == seq.num_tokens:
-            logits_indices.append(len(input_ids) - 1)
-    starts = np.zeros(len(seqs) + 1, dtype=np.int32)
-    np.cumsum(query_lens, out=starts[1:])
-    # two host-to-device copies (one per dtype) instead of one per tensor
-    t, r, s = len(input_ids), len(seqs), len(logits_indices)
-    i64 = to_device(np.concatenate([input_ids, positions, slots, logits_indices]).astype(np.int64),
-                    torch.int64, device)
-    i32 = to_device(np.concatenate([starts, np.asarray(context_lens, dtype=np.int32),
-                                    tables.ravel()]), torch.int32, device)
-    meta = AttentionMetadata(
-        slot_mapping=i64[2 * t : 3 * t],
-        query_start_loc=i32[: r + 1],
-        context_lens=i32[r + 1 : 2 * r + 1],
-        block_tables=i32[2 * r + 1 :].view(r, max_blocks),
-        max_query_len=max(query_lens),
-        max_context_len=max(context_lens),
-        query_lens_host=query_lens,
-        context_lens_host=context_lens,
-    )
-    return StepInputs(
-        input_ids=i64[:t],
-        positions=i64[t : 2 * t],
-        meta=meta,
-        logits_indices=i64[3 * t : 3 * t + s],
-        num_sampling_rows=s,
-        decode_only=meta.max_query_len == 1,
-        placeholder_positions=ph_pos,
-        placeholder_seq_ids=ph_seq,
-    )
+    """One-off inputs for `batch` in buffers sized to it (profiling, tests, warm-up)."""
+    tokens = sum(s.num_scheduled_tokens for s in batch.seqs)
+    width = max(len(s.block_table) for s in batch.seqs)
+    buffers = InputBuffers(tokens, len(batch.seqs), width, block_size, device)
+    return buffers.prepare(batch)

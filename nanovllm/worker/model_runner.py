@@ -10,13 +10,12 @@ from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
 from nanovllm.model.config import ModelConfig
 from nanovllm.model.layers import compile as compile_layers
-from nanovllm.model.layers.sampler import SamplerOutput, sample
+from nanovllm.model.layers.sampler import SamplerOutput, sample, set_triton_sampling
 from nanovllm.model.loader.source import ModelSource
 from nanovllm.model.loader.weights import load_weights
 from nanovllm.model.models.registry import build_model
-from nanovllm.worker.inputs import StepInputs, prepare_inputs
+from nanovllm.worker.inputs import InputBuffers, StepInputs, prepare_inputs
 from nanovllm.worker.sampling_metadata import build_sampling_tensors
-from nanovllm.worker.staging import to_device
 
 log = logging.getLogger("nanovllm")
 
@@ -88,6 +87,11 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         compile_layers.set_enabled(config.torch_compile)
+        set_triton_sampling(config.fused_kernels)
+        if self.device.type == "cuda":  # fused.py needs triton, which CPU installs may lack
+            from nanovllm.model.layers import fused
+
+            fused.set_enabled(config.fused_kernels)
         max_position = max(max_model_len or 0, model_config.max_position_embeddings)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -101,6 +105,10 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         self.graphs = None
+        self.buffers: InputBuffers | None = None
+        self._token_ring: list[torch.Tensor] = []
+        self._event_ring: list[torch.cuda.Event] = []
+        self._ring_turn = 0
 
     # ---- KV cache -------------------------------------------------------------
 
@@ -214,6 +222,24 @@ class ModelRunner:
     # ---- start-up warm-up ---------------------------------------------------------
 
     @torch.inference_mode()
+    def setup_steps(self, max_model_len: int) -> None:
+        """Persistent step buffers, then (on CUDA) kernel warm-up and graph capture."""
+        cfg = self.config
+        self.buffers = InputBuffers(
+            max(cfg.max_num_batched_tokens, cfg.max_num_seqs), cfg.max_num_seqs,
+            -(-max_model_len // self.block_size), self.block_size, self.device,
+        )
+        if self.device.type == "cuda":
+            # pinned buffers for sampled tokens; at most two steps are ever in flight
+            self._token_ring = [
+                torch.empty(cfg.max_num_seqs, dtype=torch.int64, pin_memory=True)
+                for _ in range(3)
+            ]
+            self._event_ring = [torch.cuda.Event() for _ in range(3)]
+            self.warmup_kernels(max_model_len)
+        self.capture_graphs(max_model_len)
+
+    @torch.inference_mode()
     def warmup_kernels(self, max_model_len: int) -> None:
         """Run one step of each batch shape class (decode, mixed, prefill chunks of several
         lengths) so Triton compiles its kernel variants now, not inside the first requests.
@@ -234,7 +260,9 @@ class ModelRunner:
                 seqs.append(_dummy_seq(i, ctx, n, first, bs))
                 first += len(seqs[-1].block_table)
             for batch in (ScheduledBatch(seqs), ScheduledBatch(seqs[:1])):
-                inputs = prepare_inputs(batch, bs, self.device)
+                # the engine's own buffers: Triton specializes on their strides
+                inputs = self.buffers.prepare(batch) if self.buffers else prepare_inputs(
+                    batch, bs, self.device)
                 self._logits(inputs)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -246,9 +274,8 @@ class ModelRunner:
             return
         from nanovllm.worker.cuda_graph import DecodeGraphs
 
-        self.graphs = DecodeGraphs(
-            self.model, self.config.max_num_seqs, max_model_len, self.block_size, self.device
-        )
+        self.graphs = DecodeGraphs(self.model, self.buffers, self.config.max_num_seqs,
+                                   max_model_len)
         self.graphs.capture()
         log.info("captured CUDA graphs for decode batch sizes %s", self.graphs.sizes)
 
@@ -259,7 +286,12 @@ class ModelRunner:
         """Queue one forward pass and sampling; tokens of `prev` still on the device are
         read there (CPU/GPU overlap)."""
         seqs = batch.sampling_seqs
-        inputs = prepare_inputs(batch, self.block_size, self.device)
+        if self.buffers is None:
+            raise RuntimeError("ModelRunner.setup_steps(max_model_len) must run before launch")
+        pad = 0
+        if self.graphs is not None and all(s.num_scheduled_tokens == 1 for s in batch.seqs):
+            pad = self.graphs.padded_size(len(batch.seqs)) or 0
+        inputs = self.buffers.prepare(batch, pad, prev.rows if prev is not None else None)
         self._fill_placeholders(inputs, prev)
         logits = self._logits(inputs)
         want_logprobs = any(s.sampling_params.logprobs is not None for s in seqs)
@@ -278,29 +310,26 @@ class ModelRunner:
         out = sample(logits, tensors)
         rows = {s.seq_id: i for i, s in enumerate(seqs)}
         if self.device.type == "cuda":
-            host = torch.empty(out.token_ids.shape, dtype=out.token_ids.dtype, pin_memory=True)
+            k = self._ring_turn
+            self._ring_turn = (k + 1) % len(self._token_ring)
+            host = self._token_ring[k][: len(seqs)]
             host.copy_(out.token_ids, non_blocking=True)
-            event = torch.cuda.Event()
+            event = self._event_ring[k]
             event.record()
             return StepHandle(seqs, rows, out, host, event, want_logprobs)
         return StepHandle(seqs, rows, out, out.token_ids, None, want_logprobs)
 
     def _fill_placeholders(self, inputs: StepInputs, prev: StepHandle | None) -> None:
-        if not inputs.placeholder_positions:
+        if not inputs.placeholder_seq_ids:
             return
         assert prev is not None and prev.out is not None, "a placeholder with no step in flight"
-        src = [prev.rows[seq_id] for seq_id in inputs.placeholder_seq_ids]
-        dst = to_device(inputs.placeholder_positions, torch.int64, self.device)
-        src_t = to_device(src, torch.int64, self.device)
-        inputs.input_ids.index_copy_(0, dst, prev.out.token_ids.index_select(0, src_t))
+        tokens = prev.out.token_ids.index_select(0, inputs.placeholder_rows)
+        inputs.input_ids.index_copy_(0, inputs.placeholder_positions, tokens)
 
     def _logits(self, inputs: StepInputs) -> torch.Tensor:
-        if (
-            self.graphs is not None
-            and inputs.decode_only
-            and self.graphs.can_run(inputs.num_sampling_rows)
-        ):
-            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        graphs = self.graphs
+        if graphs is not None and inputs.decode_only and inputs.padded_rows in graphs.graphs:
+            return self.graphs.replay(inputs.padded_rows, inputs.num_sampling_rows)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.num_sampling_rows == 0:
             return hidden[:0]

@@ -1,7 +1,26 @@
+from types import ModuleType
+
 import torch
 from torch import nn
 
 from nanovllm.model.layers.compile import maybe_compiled
+
+# devices whose tensors take the fused Triton kernels (layers/fused.py); tests add "cpu" to
+# run them under Triton's interpreter
+FUSED_DEVICES = {"cuda"}
+
+
+def fused_ops(t: torch.Tensor) -> ModuleType | None:
+    """The fused kernels module when they apply to `t` (on CUDA, while `fused.enabled()`).
+
+    Imported only then, as attention.py imports its Triton backend, so CPU installs without
+    triton never load it. The fused path takes precedence over `maybe_compiled`.
+    """
+    if t.device.type not in FUSED_DEVICES:
+        return None
+    from nanovllm.model.layers import fused
+
+    return fused if fused.enabled() else None
 
 
 @maybe_compiled
@@ -33,6 +52,11 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ops = fused_ops(x)
+        if ops is not None:  # note: updates `residual` in place (see fused.add_rms_norm)
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            return ops.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

@@ -5,6 +5,7 @@ from torch import nn
 
 from nanovllm.core.errors import ModelLoadError
 from nanovllm.model.layers.compile import maybe_compiled
+from nanovllm.model.layers.norm import fused_ops
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -42,12 +43,20 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: [T, Hq, D], k: [T, Hkv, D]
+        ops = fused_ops(q)
+        if ops is not None:  # in place on q and k
+            return ops.qk_norm_rope(q, k, positions, self.cos, self.sin)
         return apply_rotary(positions, q, k, self.cos, self.sin)
 
 
 @maybe_compiled
-def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 cos_table: torch.Tensor, sin_table: torch.Tensor):
+def apply_rotary(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+):
     cos = cos_table[positions].unsqueeze(1).to(q.dtype)
     sin = sin_table[positions].unsqueeze(1).to(q.dtype)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
