@@ -58,8 +58,8 @@ class FakeEngine:
         self.seqs: list[Sequence] = []
         self.finished: set[int] = set()
 
-    def add(self, prompt: list[int], **params) -> Sequence:
-        seq = Sequence(len(self.seqs), prompt, SamplingParams(**params))
+    def add(self, prompt: list[int], priority: int = 0, **params) -> Sequence:
+        seq = Sequence(len(self.seqs), prompt, SamplingParams(**params), priority=priority)
         self.seqs.append(seq)
         self.sched.add(seq)
         return seq
@@ -142,7 +142,10 @@ def check_schedule(sched: Scheduler, batch, before: list[Sequence]) -> None:
         needed = seq.num_computed_tokens + seq.num_scheduled_tokens
         assert len(seq.block_table) == blocks_for(needed)
     preempted = [s for s in before if s.status == SequenceStatus.WAITING]
-    assert preempted == before[len(before) - len(preempted) :], "victims come from the tail"
+    if len({s.priority for s in before}) == 1:
+        assert preempted == before[len(before) - len(preempted) :], "victims come from the tail"
+    survivors = [s for s in before if s.status == SequenceStatus.RUNNING]
+    assert sched.policy != "fair" or all(k.priority <= v.priority for k in survivors for v in preempted), "worst first"
     # a sequence whose in-flight token is its last (by length) needs no step
     kept = [
         s
@@ -355,6 +358,7 @@ def test_random_mix_of_requests_returns_every_block(data):
     num_blocks = data.draw(st.integers(per_seq, 2 * per_seq), label="num_blocks")
     prefix_caching = data.draw(st.booleans(), label="prefix caching")
     overlap = data.draw(st.booleans(), label="overlap")
+    priorities = data.draw(st.booleans(), label="priorities")
     lengths = st.integers(1, max_len - 1)
     requests = data.draw(
         st.lists(  # (steps after the previous arrival, prompt length, shared prefix, max_tokens)
@@ -392,7 +396,11 @@ def test_random_mix_of_requests_returns_every_block(data):
             script = [rng.choice((EOS, STOP_ID) + (7,) * 30) for _ in range(max_len)]
             scripts[len(eng.seqs)] = script
             stop_ids = [STOP_ID] if rng.random() < 0.5 else None
-            eng.add(tokens, max_tokens=max_tokens, ignore_eos=False, stop_token_ids=stop_ids)
+            priority = rng.choice((0, 1, 2)) if priorities else 0
+            eng.add(tokens, priority, max_tokens=max_tokens, ignore_eos=False,
+                    stop_token_ids=stop_ids)
+        keys = [s.priority for s in sched.waiting]
+        assert keys == sorted(keys), "waiting must stay ordered by priority"
         live = list(sched.waiting) + sched.running
         if live and data.draw(st.integers(0, 11), label="abort?") == 0:
             mid_prefill = [s for s in live if s.in_prefill and s.block_table]
@@ -417,3 +425,25 @@ def test_random_mix_of_requests_returns_every_block(data):
     bm = sched.block_manager
     bm.check_invariants([])
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_priority_orders_waiting_and_preempts_worse_running():
+    sched = make_scheduler("fair", num_blocks=64, block_size=4, max_num_seqs=2,
+                           max_num_batched_tokens=64, max_model_len=40)
+    eng = FakeEngine(sched)
+    low = [eng.add([1, 2, 3], 5, max_tokens=20), eng.add([4, 5, 6], 5, max_tokens=20)]
+    eng.step()
+    assert {s.seq_id for s in sched.running} == {s.seq_id for s in low}
+    mid = eng.add([7, 8], 1, max_tokens=3)
+    urgent = eng.add([9, 9], 0, max_tokens=3)
+    assert [s.seq_id for s in sched.waiting] == [urgent.seq_id, mid.seq_id]
+    rows = dict(eng.step())
+    # both rows were taken by the better priorities; the newest low one went first
+    assert urgent.seq_id in rows and mid.seq_id in rows
+    assert low[0].num_preemptions == 1 and low[1].num_preemptions == 1
+    assert [s.priority for s in sched.waiting] == [5, 5]
+    while eng.has_work():
+        eng.step()
+    for seq in low + [mid, urgent]:  # preemption lost nothing
+        script = [10 + (seq.seq_id * 7 + seq.num_prompt_tokens + k) % 50 for k in range(40)]
+        assert seq.output_token_ids == expected_output(seq, script, 40)[0]

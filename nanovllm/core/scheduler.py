@@ -1,3 +1,4 @@
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -43,6 +44,12 @@ class Scheduler:
       is allocated before its first chunk.
     Under KV pressure the sequence at the tail of `running` is preempted: its blocks are
     freed and it is recomputed later from its tokens, so no output is lost.
+
+    Priorities (`Sequence.priority`, lower first): `waiting` is kept ordered by priority,
+    ties by arrival; a preempted sequence goes back to the front of its priority class.
+    Under `fair`, victims of KV pressure are taken from the worst priority first (then the
+    tail), and a waiting sequence that cannot be admitted preempts running sequences of
+    strictly worse priority; `prefill_first` keeps the seed's tail-only preemption.
     """
 
     def __init__(
@@ -68,7 +75,24 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq, front_of_class=False)
+
+    def _enqueue(self, seq: Sequence, front_of_class: bool) -> None:
+        """Insert into `waiting` at the back (new) or front (preempted) of its priority."""
+        w, p = self.waiting, seq.priority
+        if not w or (w[-1].priority < p if front_of_class else w[-1].priority <= p):
+            w.append(seq)  # the common case: every request has the same priority
+        elif w[0].priority > p or (front_of_class and w[0].priority == p):
+            w.appendleft(seq)
+        else:
+            i = next(i for i, s in enumerate(w)
+                     if (s.priority >= p if front_of_class else s.priority > p))
+            w.insert(i, seq)
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt: worst priority, then the latest admitted."""
+        worst = max(s.priority for s in self.running)
+        return next(s for s in reversed(self.running) if s.priority == worst)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -96,7 +120,7 @@ class Scheduler:
         seq.num_scheduled_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front_of_class=True)
 
     def _admit_prefix(self, seq: Sequence) -> None:
         """Look a fresh waiting sequence up in the prefix cache (takes refs on hits)."""
@@ -108,6 +132,8 @@ class Scheduler:
             self.block_manager.free(seq)
 
     def _count_prefix(self, seq: Sequence) -> None:
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += seq.num_cached_prefix_tokens
 
@@ -185,7 +211,7 @@ class Scheduler:
                 if fit > 0:
                     n = fit  # a smaller prefill chunk fits without preempting anyone
                     continue
-                victim = self.running[-1]
+                victim = self._victim()
                 if victim in scheduled:
                     scheduled.remove(victim)
                     budget += victim.num_scheduled_tokens
@@ -198,14 +224,24 @@ class Scheduler:
                 budget -= n
                 scheduled.append(seq)
 
-        # then new work, in arrival order, while tokens, rows and blocks remain
-        while self.waiting and budget and not preempted and len(self.running) < self.max_num_seqs:
+        # then new work, in priority and arrival order, while tokens, rows and blocks remain
+        while self.waiting and budget and not preempted:
             seq = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs:
+                if not self._preempt_for(seq, scheduled):
+                    break
+                budget = self.max_num_batched_tokens - sum(
+                    s.num_scheduled_tokens for s in scheduled)
+                continue
             self._admit_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not bm.allocate(seq, n):
                 self._undo_admit(seq)
-                break
+                if not self._preempt_for(seq, scheduled):
+                    break
+                budget = self.max_num_batched_tokens - sum(
+                    s.num_scheduled_tokens for s in scheduled)
+                continue
             self._count_prefix(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -214,6 +250,19 @@ class Scheduler:
             budget -= n
             scheduled.append(seq)
         return ScheduledBatch(scheduled)
+
+    def _preempt_for(self, seq: Sequence, scheduled: list[Sequence]) -> bool:
+        """Make room for waiting `seq` by preempting one running sequence of strictly worse
+        priority (dropping it from this step's batch); False if there is none."""
+        if not self.running:
+            return False
+        victim = self._victim()
+        if victim.priority <= seq.priority:
+            return False
+        if victim in scheduled:
+            scheduled.remove(victim)
+        self._preempt(victim)
+        return True
 
     # ---- after the forward pass ----------------------------------------------
 

@@ -31,8 +31,11 @@ class Sequence:
         token_ids: list[int],
         sampling_params: SamplingParams,
         arrival_time: float = 0.0,
+        priority: int = 0,
     ) -> None:
         self.seq_id = seq_id
+        self.priority = priority  # lower runs first; ties by seq_id (arrival order)
+        self.first_scheduled_time: float | None = None  # time.monotonic() when first admitted
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.sampling_params = sampling_params

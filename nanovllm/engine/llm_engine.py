@@ -88,6 +88,7 @@ class LLMEngine:
         self._req_counter = itertools.count()
         self.num_prefill_tokens = 0  # totals, for progress bars and metrics
         self.num_decode_tokens = 0
+        self.num_generated_tokens = 0  # sampled tokens, prefill's last token included
         self.num_steps = 0
         # where a step's wall time goes (seconds, running totals): host work vs waiting on GPU
         self.timing = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "postprocess": 0.0}
@@ -134,11 +135,13 @@ class LLMEngine:
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
         stream: bool = False,
+        priority: int = 0,
     ) -> str:
         """Queue a request; raises InvalidRequestError before anything is queued.
 
         With `stream`, `step()` reports the request after every token (text included);
         otherwise only once it has finished, which saves detokenizing every step.
+        `priority`: lower is served first and may preempt worse running requests.
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -155,7 +158,9 @@ class LLMEngine:
                 if params.seed is None or i == 0
                 else dataclasses.replace(params, seed=params.seed + i)
             )
-            seqs.append(Sequence(next(self._seq_counter), ids, p, arrival_time=now))
+            seqs.append(
+                Sequence(next(self._seq_counter), ids, p, arrival_time=now, priority=priority)
+            )
             detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
         req = Request(
             request_id,
@@ -176,13 +181,26 @@ class LLMEngine:
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a request now and free its KV blocks; False if it is unknown or already done."""
+        return self.finish_request(request_id, reason) is not None
+
+    def finish_request(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT
+    ) -> RequestOutput | None:
+        """End a request now, free its KV blocks, and return its final output (the text of
+        each completion so far, `reason` for those not already finished); None if unknown."""
         req = self.requests.pop(request_id, None)
         if req is None:
-            return False
-        for seq in req.seqs:
-            self.scheduler.finish(seq, reason)
+            return None
+        for i, seq in enumerate(req.seqs):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, reason)
+                skip = seq.sampling_params.skip_special_tokens
+                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)
+                if req.stream:  # what streaming already showed may end before a held-back tail
+                    text = text if text.startswith(req.texts[i]) else req.texts[i]
+                req.texts[i] = text
             self._owner.pop(seq.seq_id, None)
-        return True
+        return self._make_output(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -246,6 +264,7 @@ class LLMEngine:
     def _resolve(self, handle: StepHandle, touched: dict[str, Request]) -> None:
         t0 = time.perf_counter()
         out = self.runner.collect(handle)
+        self.num_generated_tokens += len(out.token_ids)
         t1 = time.perf_counter()
         self.timing["wait"] += t1 - t0
         logprobs = {}
@@ -304,7 +323,11 @@ class LLMEngine:
                     i, req.texts[i], list(seq.output_token_ids), reason, seq.stop_reason, lps
                 )
             )
-        cached = req.seqs[0].num_cached_prefix_tokens
+        first = req.seqs[0]
+        queued = None
+        if first.first_scheduled_time is not None:
+            queued = first.first_scheduled_time - first.arrival_time
         return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, cached
+            req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
+            first.num_cached_prefix_tokens, queued,
         )

@@ -23,6 +23,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    queue_time: float | None = None  # seconds from arrival to first scheduled, once known
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,294 @@
+"""The engine process of the server: one LLMEngine stepping in a loop, fed over a pipe.
+
+The HTTP front end (entrypoints/openai) runs in the parent process and does everything
+that is not the engine loop: HTTP, JSON, tokenization, chat templates, SSE. Between every
+step the loop drains the pipe (new requests, aborts, stats queries), so an abort frees its
+KV blocks before the next step, and a burst of HTTP work never delays a GPU step.
+
+Detokenization and stop strings stay here, next to the scheduler: a stop string then ends
+its sequence in the step that completed it (no tokens generated past it, usage exact),
+and its cost per token is small next to a step. What leaves is text deltas.
+
+Messages (pickled tuples over one duplex multiprocessing Pipe):
+  front end -> engine: ("add", AddRequest) | ("abort", id) | ("stats", token) | ("shutdown",)
+  engine -> front end: ("ready", info) | ("fatal", message) | ("accepted", id)
+      | ("rejected", id, http_status, message) | ("out", [Delta, ...])
+      | ("stats", token, dict)
+"""
+
+import logging
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from nanovllm.core.errors import NanoVLLMError
+from nanovllm.core.sampling_params import SamplingParams
+from nanovllm.core.sequence import FinishReason
+from nanovllm.engine.outputs import RequestOutput
+
+log = logging.getLogger("nanovllm.engine")
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    priority: int = 0  # lower value is served first and may preempt worse running work
+    timeout: float | None = None  # seconds from arrival; then finish_reason "timeout"
+    stream: bool = True  # False: one Delta per completion, when it ends
+
+
+@dataclass
+class Delta:
+    """One completion's progress since its previous Delta."""
+
+    request_id: str
+    index: int
+    text: str  # new text only: never broken UTF-8, never a stop string's prefix later cut
+    token_ids: list[int]  # new token ids
+    logprobs: list[dict[int, float]] | None  # one entry per new token, when asked for
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    queue_time: float | None  # seconds waiting before first scheduled (first Delta only)
+
+
+def start_engine(
+    model: str | None, engine_kwargs: dict, max_num_waiting: int | None,
+    log_interval: float = 10.0,
+) -> tuple[multiprocessing.Process, Connection]:
+    """Spawn the engine process; returns it and the front end's end of the pipe. The first
+    message on the pipe is ("ready", info) or ("fatal", message)."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(
+        target=run_engine_loop,
+        args=(child, model, engine_kwargs, max_num_waiting, log_interval),
+        name="nanovllm-engine",
+        daemon=True,
+    )
+    proc.start()
+    child.close()
+    return proc, parent
+
+
+def run_engine_loop(
+    conn: Connection, model: str | None, engine_kwargs: dict, max_num_waiting: int | None,
+    log_interval: float,
+) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        from nanovllm.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(model, **engine_kwargs)
+    except Exception as e:  # a bad model path or config: the front end reports it
+        log.exception("engine failed to start")
+        conn.send(("fatal", f"{type(e).__name__}: {e}"))
+        return
+    loop = EngineLoop(engine, conn, max_num_waiting, log_interval)
+    name = Path(model).stem if model else "SmolLM2-135M-Instruct"
+    conn.send(("ready", {
+        "model": name,
+        "max_model_len": engine.max_model_len,
+        "vocab_size": engine.model_config.vocab_size,
+        "num_kv_blocks": engine.block_manager.num_blocks,
+        "block_size": engine.config.block_size,
+        "eos_token_ids": sorted(engine.eos_token_ids),
+        "pid": os.getpid(),
+    }))
+    try:
+        loop.run()
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass  # the front end is gone: nothing left to serve
+
+
+class _Track:
+    """What a completion has sent so far."""
+
+    __slots__ = ("chars", "tokens", "logprobs", "first", "done")
+
+    def __init__(self) -> None:
+        self.chars = self.tokens = self.logprobs = 0
+        self.first, self.done = True, False
+
+
+class EngineLoop:
+    def __init__(
+        self, engine, conn: Connection, max_num_waiting: int | None, log_interval: float
+    ) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.max_num_waiting = max_num_waiting
+        self.log_interval = log_interval
+        self.deadlines: dict[str, float] = {}
+        self.tracks: dict[tuple[str, int], _Track] = {}
+        self.holdback: dict[str, int] = {}  # request id -> chars withheld while streaming
+        self.finished: dict[str, int] = {r.value: 0 for r in FinishReason}
+        self.running = True
+        self._last_log = time.monotonic()
+        self._last_gen = 0
+        self.prompt_tokens = 0  # of accepted requests
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        engine = self.engine
+        while self.running:
+            busy = engine.has_unfinished_requests()
+            # between steps, take everything that arrived; when idle, sleep on the pipe
+            timeout = 0.0 if busy else self._idle_timeout()
+            while self.conn.poll(timeout):
+                self._handle(self.conn.recv())
+                timeout = 0.0
+            self._expire()
+            if engine.has_unfinished_requests():
+                outs = engine.step()
+                if outs:
+                    self._send_outputs(outs)
+            self._maybe_log()
+
+    def _idle_timeout(self) -> float:
+        now = time.monotonic()
+        wake = self._last_log + self.log_interval
+        if self.deadlines:
+            wake = min(wake, min(self.deadlines.values()))
+        return max(0.0, min(wake - now, 1.0))
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            self._add(msg[1])
+        elif kind == "abort":
+            self._finish(msg[1], FinishReason.ABORT, notify=False)
+        elif kind == "stats":
+            self.conn.send(("stats", msg[1], self.stats()))
+        elif kind == "shutdown":
+            self.running = False
+
+    def _add(self, req: AddRequest) -> None:
+        engine = self.engine
+        waiting = len(engine.scheduler.waiting)
+        if self.max_num_waiting is not None and waiting >= self.max_num_waiting:
+            self.conn.send(("rejected", req.request_id, 429,
+                            f"the server is at capacity ({waiting} requests waiting, "
+                            f"--max-num-waiting {self.max_num_waiting}); retry later"))
+            return
+        try:
+            if len(req.prompt_token_ids) >= engine.max_model_len:
+                raise NanoVLLMError(
+                    f"the prompt has {len(req.prompt_token_ids)} tokens but the context is "
+                    f"{engine.max_model_len}; shorten the prompt")
+            engine.add_request(req.prompt, req.params, req.request_id,
+                               prompt_token_ids=req.prompt_token_ids, stream=req.stream,
+                               priority=req.priority)
+        except NanoVLLMError as e:
+            self.conn.send(("rejected", req.request_id, 400, str(e)))
+            return
+        self.prompt_tokens += len(req.prompt_token_ids)
+        if req.timeout is not None:
+            self.deadlines[req.request_id] = time.monotonic() + req.timeout
+        stops = req.params.stop_list
+        if req.stream and stops:
+            self.holdback[req.request_id] = max(len(s) for s in stops) - 1
+        self.conn.send(("accepted", req.request_id))
+
+    def _expire(self) -> None:
+        if not self.deadlines:
+            return
+        now = time.monotonic()
+        for rid in [r for r, d in self.deadlines.items() if d <= now]:
+            self._finish(rid, FinishReason.TIMEOUT, notify=True)
+
+    def _finish(self, rid: str, reason: FinishReason, notify: bool) -> None:
+        out = self.engine.finish_request(rid, reason)
+        self.deadlines.pop(rid, None)
+        if out is None:
+            return
+        for o in out.outputs:
+            if o.finish_reason == reason.value:
+                self.finished[reason.value] += 1
+        if notify:
+            self._send_outputs([out])
+        else:
+            self._forget(out)
+
+    # ---- outputs ----------------------------------------------------------------------
+
+    def _send_outputs(self, outs: list[RequestOutput]) -> None:
+        deltas = []
+        for out in outs:
+            held = self.holdback.get(out.request_id, 0)
+            for o in out.outputs:
+                key = (out.request_id, o.index)
+                track = self.tracks.get(key)
+                if track is None:
+                    track = self.tracks[key] = _Track()
+                elif track.done or (track.tokens == len(o.token_ids) and not o.finish_reason):
+                    continue  # this completion did not move, or has ended already
+                end = len(o.text) if o.finish_reason else max(track.chars, len(o.text) - held)
+                queue_time = out.queue_time if track.first else None
+                lps = None
+                if o.logprobs is not None:
+                    lps = o.logprobs[track.logprobs:]
+                    track.logprobs = len(o.logprobs)
+                deltas.append(Delta(
+                    out.request_id, o.index, o.text[track.chars:end],
+                    o.token_ids[track.tokens:], lps, o.finish_reason, o.stop_reason,
+                    out.num_prompt_tokens, out.num_cached_tokens, queue_time,
+                ))
+                track.chars, track.tokens, track.first = end, len(o.token_ids), False
+                track.done = o.finish_reason is not None
+                if o.finish_reason in ("stop", "length"):
+                    self.finished[o.finish_reason] += 1
+            if out.finished:
+                self._forget(out)
+        if deltas:
+            self.conn.send(("out", deltas))
+
+    def _forget(self, out: RequestOutput) -> None:
+        self.holdback.pop(out.request_id, None)
+        self.deadlines.pop(out.request_id, None)
+        for o in out.outputs:
+            self.tracks.pop((out.request_id, o.index), None)
+
+    # ---- stats and logs ---------------------------------------------------------------
+
+    def stats(self) -> dict:
+        e = self.engine
+        bm, sched = e.block_manager, e.scheduler
+        return {
+            "num_requests_running": len(sched.running),
+            "num_requests_waiting": len(sched.waiting),
+            "kv_cache_usage": 1.0 - bm.num_free_blocks / bm.num_blocks,
+            "num_kv_blocks": bm.num_blocks,
+            "num_free_kv_blocks": bm.num_free_blocks,
+            "prefix_cache_queries": sched.prefix_queries,
+            "prefix_cache_hits": sched.prefix_hits,
+            "num_preemptions": sched.num_preemptions,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": e.num_generated_tokens,
+            "finished": dict(self.finished),
+            "tokens_per_s": self._rate(),
+        }
+
+    def _rate(self) -> float:
+        dt = time.monotonic() - self._last_log
+        return (self.engine.num_generated_tokens - self._last_gen) / dt if dt > 0 else 0.0
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < self.log_interval:
+            return
+        s = self.stats()
+        if s["num_requests_running"] or s["num_requests_waiting"] or s["tokens_per_s"]:
+            log.info(
+                "running %d, waiting %d, KV cache %.1f%% used, generation %.1f tok/s, "
+                "preemptions %d", s["num_requests_running"], s["num_requests_waiting"],
+                100 * s["kv_cache_usage"], s["tokens_per_s"], s["num_preemptions"])
+        self._last_log, self._last_gen = now, self.engine.num_generated_tokens

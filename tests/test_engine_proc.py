@@ -1,0 +1,113 @@
+"""The server's engine process, driven over its pipe without HTTP: streamed deltas add up
+to the offline text, stop strings are never leaked, aborts and timeouts free every block,
+and a full waiting queue rejects with 429."""
+
+import time
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.entrypoints.engine_proc import AddRequest, start_engine
+
+ENGINE = dict(device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    proc, conn = start_engine(str(tiny_llama), ENGINE, max_num_waiting=4)
+    assert conn.poll(120), "engine did not start"
+    kind, info = conn.recv()
+    assert kind == "ready", info
+    yield conn, info
+    conn.send(("shutdown",))
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+
+
+def collect(conn, ids, until_done=True, timeout=60.0):
+    """Read messages until every request in `ids` has finished (or been answered)."""
+    deltas: dict[str, list] = {i: [] for i in ids}
+    replies: dict[str, tuple] = {}
+    open_ = set(ids)
+    end = time.monotonic() + timeout
+    while open_ and time.monotonic() < end:
+        if not conn.poll(0.5):
+            continue
+        msg = conn.recv()
+        if msg[0] in ("accepted", "rejected"):
+            replies[msg[1]] = msg
+            if msg[0] == "rejected":
+                open_.discard(msg[1])
+        elif msg[0] == "out":
+            for d in msg[1]:
+                deltas[d.request_id].append(d)
+                if d.finish_reason is not None:
+                    open_.discard(d.request_id)
+    assert not open_, f"requests never finished: {open_}"
+    return deltas, replies
+
+
+def stats(conn):
+    conn.send(("stats", "t"))
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stats":
+            return msg[2]
+
+
+def test_streamed_deltas_equal_offline_text_and_hold_back_stop_prefixes(engine, tiny_llama):
+    conn, info = engine
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    offline = LLM(str(tiny_llama), **ENGINE).generate(prompts, params, use_tqdm=False)
+    # a stop string taken from the middle of one offline text: it must end that request
+    stop = offline[0].text[4:7]
+    for i, p in enumerate(prompts):
+        conn.send(("add", AddRequest(f"s{i}", p, params, stream=True)))
+    conn.send(("add", AddRequest("stop", prompts[0], SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]), stream=True)))
+    deltas, replies = collect(conn, ["s0", "s1", "s2", "stop"])
+    assert all(r[0] == "accepted" for r in replies.values())
+    for i, out in enumerate(offline):
+        ds = deltas[f"s{i}"]
+        assert "".join(d.text for d in ds) == out.text
+        assert sum(len(d.token_ids) for d in ds) == len(out.token_ids) == 12
+        assert ds[-1].finish_reason == "length" and ds[0].queue_time is not None
+    stopped = deltas["stop"]
+    text = "".join(d.text for d in stopped)
+    assert stopped[-1].finish_reason == "stop" and stopped[-1].stop_reason == stop
+    assert text == offline[0].text[: offline[0].text.find(stop)]
+    shown = ""
+    for d in stopped:  # no prefix of the stop string was ever shown and later cut
+        shown += d.text
+        assert text.startswith(shown)
+
+
+def test_abort_timeout_and_backpressure_free_every_block(engine):
+    conn, info = engine
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    conn.send(("add", AddRequest("a", [1, 2, 3], long)))
+    conn.send(("add", AddRequest("t", [4, 5, 6], long, timeout=0.0)))
+    conn.send(("abort", "a"))
+    deltas, _ = collect(conn, ["t"])
+    assert deltas["t"][-1].finish_reason == "timeout"
+    # fill every running row, then the waiting queue (4), then one more is refused
+    for i in range(12):
+        conn.send(("add", AddRequest(f"q{i}", [7, 8, 9], long, stream=False)))
+    seen = {}
+    end = time.monotonic() + 30
+    while len(seen) < 12 and time.monotonic() < end:
+        if conn.poll(0.5):
+            msg = conn.recv()
+            if msg[0] in ("accepted", "rejected"):
+                seen[msg[1]] = msg
+    rejected = [m for m in seen.values() if m[0] == "rejected"]
+    assert rejected and all(m[2] == 429 and "max-num-waiting" in m[3] for m in rejected)
+    for rid, m in seen.items():
+        if m[0] == "accepted":
+            conn.send(("abort", rid))
+    s = stats(conn)
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"] == info["num_kv_blocks"]
+    assert s["num_requests_running"] == s["num_requests_waiting"] == 0
+    assert s["finished"]["abort"] >= 1 and s["finished"]["timeout"] == 1
