@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--num-seqs", type=int, default=256, help="rows in the profiled decode")
     args = ap.parse_args()
     import json
     from pathlib import Path
@@ -34,7 +35,7 @@ def main() -> None:
               overlap=not args.no_overlap)
     engine = llm.engine
     random.seed(0)
-    for _ in range(256):
+    for _ in range(args.num_seqs):
         prompt = [random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
         engine.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True,
                                                   max_tokens=random.randint(100, 1024)))
@@ -43,6 +44,20 @@ def main() -> None:
     for _ in range(20):
         engine.step()
     parts = _time_launch_parts()
+    # unprofiled first: host time by part with nothing but perf_counter around the parts
+    torch.cuda.synchronize()
+    t_before, start = dict(engine.timing), time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    print(f"unprofiled, {len(engine.scheduler.running)} rows: "
+          f"{wall / args.steps * 1e3:.2f} ms/step")
+    print("  host ms/step: " + ", ".join(
+        f"{k} {(v - t_before[k]) / args.steps * 1e3:.2f}" for k, v in engine.timing.items()))
+    print("  inside launch, ms/step: " + ", ".join(
+        f"{k} {v / args.steps * 1e3:.2f}" for k, v in parts.items()))
+    parts.clear()
     torch.cuda.synchronize()
     t0 = dict(engine.timing)
     start = time.perf_counter()
@@ -102,10 +117,11 @@ def _time_launch_parts() -> dict[str, float]:
                 parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
         return wrapper
 
-    for name in ("prepare_inputs", "build_sampling_tensors", "sample"):
+    for name in ("build_sampling_tensors", "sample"):
         setattr(mr, name, timed(name, getattr(mr, name)))
-    for name in ("_fill_placeholders", "_logits"):
+    for name in ("_fill_placeholders", "_logits", "_handle"):
         setattr(mr.ModelRunner, name, timed(name, getattr(mr.ModelRunner, name)))
+    mr.InputBuffers.prepare = timed("prepare", mr.InputBuffers.prepare)
     return parts
 
 

@@ -1,6 +1,7 @@
 """Step inputs written into the persistent buffers match a direct construction, including
 graph padding, placeholders, and a decode step after a prefill step in the same buffers."""
 
+import pytest
 import torch
 
 from nanovllm.core.sampling_params import SamplingParams
@@ -56,8 +57,11 @@ def test_prefill_then_padded_decode_with_placeholders():
     # decode rows in the same buffers: query starts go back to 0..n, padding to 8 rows
     decode = [seq(0, [*range(10, 19), PLACEHOLDER], 9, 1, 0),
               seq(1, range(30, 37), 6, 1, 1), seq(2, [5] * 13, 12, 1, 2)]
-    inputs = buf.prepare(ScheduledBatch(decode), pad_rows=8, prev_rows={0: 4})
+    inputs = buf.prepare(ScheduledBatch(decode), pad_rows=8, prev_rows={0: 4},
+                         temperatures=[0.0, 0.6, 1.5])
     check(inputs, decode, pad=5)
+    assert inputs.temperatures.dtype == torch.float32
+    assert inputs.temperatures.tolist() == pytest.approx([0.0, 0.6, 1.5])
     assert inputs.decode_only and inputs.padded_rows == 8
     assert inputs.placeholder_positions.tolist() == [0]
     assert inputs.placeholder_rows.tolist() == [4]

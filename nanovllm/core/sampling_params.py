@@ -29,6 +29,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     stop_list: list[str] = field(init=False, repr=False)
+    # temperature (or greedy) alone decides the token: no filters, seeds, penalties,
+    # min_tokens or logprobs (the GPU then samples in one pass; set at construction)
+    plain: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -39,6 +42,11 @@ class SamplingParams:
             self.stop_list = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        self.plain = (
+            (self.top_k == 0 or self.greedy) and (self.top_p == 1.0 or self.greedy)
+            and (self.min_p == 0.0 or self.greedy) and (self.seed is None or self.greedy)
+            and not self.uses_penalties and self.min_tokens == 0 and self.logprobs is None
+        )
 
     @property
     def greedy(self) -> bool:

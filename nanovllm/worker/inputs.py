@@ -10,7 +10,9 @@ int64 buffer (T = max tokens per step, R = max rows):
     | [3T+R, 3T+2R) placeholder token positions | [3T+2R, 3T+3R) their rows in the
     previous step's sampled tokens
 int32 buffer (W = block table width, fixed: ceil(max_model_len / block_size)):
-    [0, R+1) query start locations | [R+1, 2R+1) context lengths | [2R+1, 2R+1+R*W) tables
+    [0, R+1) query start locations | [R+1, 2R+1) context lengths | [2R+1, 3R+1) sampling
+    temperatures (float32 bits, when the runner samples in one pass) | [3R+1, 3R+1+R*W)
+    block tables
 """
 
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ class StepInputs:
     placeholder_rows: torch.Tensor
     placeholder_seq_ids: list[int]
     padded_rows: int  # rows including padding (a CUDA graph's batch size), >= meta.num_rows
+    temperatures: torch.Tensor | None = None  # [S] float32, when given to `prepare`
 
 
 class InputBuffers:
@@ -52,7 +55,8 @@ class InputBuffers:
     ) -> None:
         T, R, W = max_tokens, max_rows, table_width
         self.T, self.R, self.W, self.block_size, self.device = T, R, W, block_size, device
-        self.n64, self.n32 = 3 * T + 3 * R, 2 * R + 1 + R * W
+        self.n64, self.n32 = 3 * T + 3 * R, 3 * R + 1 + R * W
+        self.tables_at = 3 * R + 1
         self.dev64 = torch.zeros(self.n64, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(self.n32, dtype=torch.int32, device=device)
         self.cuda = device.type == "cuda"
@@ -96,17 +100,19 @@ class InputBuffers:
         return self.dev32[self.R + 1 : self.R + 1 + rows]
 
     def block_tables(self, rows: int) -> torch.Tensor:
-        start = 2 * self.R + 1
+        start = self.tables_at
         return self.dev32[start : start + rows * self.W].view(rows, self.W)
 
     def prepare(
-        self, batch: ScheduledBatch, pad_rows: int = 0, prev_rows: dict[int, int] | None = None
+        self, batch: ScheduledBatch, pad_rows: int = 0, prev_rows: dict[int, int] | None = None,
+        temperatures: list[float] | None = None,
     ) -> StepInputs:
         """Write `batch` into the next host set and queue its copy to the device.
 
         `pad_rows` > rows pads a decode batch up to a CUDA graph's batch size: padding rows
         have one token, slot -1 and context 0. `prev_rows` maps a sequence id to its row in
         the previous step's sampled tokens (needed when the batch has placeholders).
+        `temperatures` (one per sampling row) ride along in the same copy.
         """
         T, R, W, bs = self.T, self.R, self.W, self.block_size
         seqs = batch.seqs
@@ -172,6 +178,8 @@ class InputBuffers:
             h64[3 * T + R : 3 * T + R + p] = ph_pos
             h64[3 * T + 2 * R : 3 * T + 2 * R + p] = [prev_rows[sid] for sid in ph_seq]
         h32[R + 1 : R + 1 + r] = context_lens
+        if temperatures is not None:
+            h32[2 * R + 1 : 2 * R + 1 + s].view(np.float32)[:] = temperatures
         if pad:
             h64[t : t + pad] = 0
             h64[T + t : T + t + pad] = 0
@@ -182,17 +190,16 @@ class InputBuffers:
         else:
             h32[1 : r + 1] = np.cumsum(query_lens)
             h32[r + 1 : padded + 1] = t + np.arange(1, pad + 1)
-        # block tables: one flat scatter instead of a slice assignment per row
-        lens = np.fromiter((len(tb) for tb in tables), dtype=np.int64, count=r)
-        flat = np.fromiter((b for tb in tables for b in tb), dtype=np.int32, count=int(lens.sum()))
-        row_start = np.arange(r, dtype=np.int64) * W - np.concatenate(([0], np.cumsum(lens)[:-1]))
-        h32[2 * R + 1 + np.repeat(row_start, lens) + np.arange(flat.size)] = flat
+        # entries past a row's table are never read (the kernels stop at its context)
+        table_rows = h32[self.tables_at : self.tables_at + r * W].reshape(r, W)
+        for row, table in enumerate(tables):
+            table_rows[row, : len(table)] = table
 
         if self.cuda:
             # the int64 copy always spans the fixed regions; ~400 KB at the default budget
             end64 = 3 * T + 2 * R + p
             self.dev64[:end64].copy_(h64_t[:end64], non_blocking=True)
-            end32 = 2 * R + 1 + padded * W
+            end32 = self.tables_at + padded * W
             self.dev32[:end32].copy_(h32_t[:end32], non_blocking=True)
             event = self.events[k] or torch.cuda.Event()
             event.record()
@@ -218,6 +225,8 @@ class InputBuffers:
             placeholder_rows=self.dev64[3 * T + 2 * R : 3 * T + 2 * R + p],
             placeholder_seq_ids=ph_seq,
             padded_rows=padded,
+            temperatures=None if temperatures is None
+            else self.dev32[2 * R + 1 : 2 * R + 1 + s].view(torch.float32),
         )
 
 

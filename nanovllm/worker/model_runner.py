@@ -10,7 +10,12 @@ from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
 from nanovllm.model.config import ModelConfig
 from nanovllm.model.layers import compile as compile_layers
-from nanovllm.model.layers.sampler import SamplerOutput, sample, set_triton_sampling
+from nanovllm.model.layers.sampler import (
+    MIN_TEMPERATURE,
+    SamplerOutput,
+    sample,
+    set_triton_sampling,
+)
 from nanovllm.model.loader.source import ModelSource
 from nanovllm.model.loader.weights import load_weights
 from nanovllm.model.models.registry import build_model
@@ -92,6 +97,7 @@ class ModelRunner:
             from nanovllm.model.layers import fused
 
             fused.set_enabled(config.fused_kernels)
+        self._one_pass = self.device.type == "cuda" and config.fused_kernels
         max_position = max(max_model_len or 0, model_config.max_position_embeddings)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -291,13 +297,22 @@ class ModelRunner:
         pad = 0
         if self.graphs is not None and all(s.num_scheduled_tokens == 1 for s in batch.seqs):
             pad = self.graphs.padded_size(len(batch.seqs)) or 0
-        inputs = self.buffers.prepare(batch, pad, prev.rows if prev is not None else None)
+        params = [s.sampling_params for s in seqs]
+        # the common batch (temperature or greedy only) samples in one kernel, its
+        # temperatures riding in the inputs' copy: no sampling tensors to build
+        one_pass = self._one_pass and all(p.plain for p in params)
+        temps = [p.temperature for p in params] if one_pass else None
+        inputs = self.buffers.prepare(batch, pad, prev.rows if prev is not None else None, temps)
         self._fill_placeholders(inputs, prev)
         logits = self._logits(inputs)
-        want_logprobs = any(s.sampling_params.logprobs is not None for s in seqs)
         if not seqs:
             return StepHandle([], {}, None, None, None, False)
-        params = [s.sampling_params for s in seqs]
+        if one_pass:
+            from nanovllm.model.layers.triton_sampler import gumbel_argmax
+
+            tokens = gumbel_argmax(logits, inputs.temperatures, MIN_TEMPERATURE)
+            return self._handle(seqs, SamplerOutput(tokens, None), False)
+        want_logprobs = any(p.logprobs is not None for p in params)
         if any(p.uses_penalties for p in params):
             prompts = [s.token_ids[: s.num_prompt_tokens] for s in seqs]
             outputs = [s.output_token_ids for s in seqs]
@@ -307,7 +322,9 @@ class ModelRunner:
         tensors = build_sampling_tensors(
             params, prompts, outputs, self.eos_token_ids, logits.shape[-1], self.device
         )
-        out = sample(logits, tensors)
+        return self._handle(seqs, sample(logits, tensors), want_logprobs)
+
+    def _handle(self, seqs: list[Sequence], out: SamplerOutput, want_logprobs: bool):
         rows = {s.seq_id: i for i, s in enumerate(seqs)}
         if self.device.type == "cuda":
             k = self._ring_turn

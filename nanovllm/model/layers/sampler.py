@@ -4,7 +4,7 @@ import torch
 
 _M32 = 0xFFFFFFFF
 _TINY = torch.finfo(torch.float32).tiny
-_MIN_TEMPERATURE = 1e-5
+MIN_TEMPERATURE = 1e-5  # a floor that keeps logits / T finite
 
 
 @dataclass
@@ -71,7 +71,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     if t.min_tokens_mask is not None:
         logits = logits.index_put(t.min_tokens_mask, logits.new_full((), float("-inf")))
     if one_pass:
-        token_ids = one_pass(logits, t.temperatures, _MIN_TEMPERATURE)
+        token_ids = one_pass(logits, t.temperatures, MIN_TEMPERATURE)
     elif t.all_greedy:
         token_ids = logits.argmax(-1)
     else:
@@ -130,7 +130,7 @@ def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if not (t.any_top_k or t.any_top_p or t.any_min_p or t.any_seeded):
         return _gumbel_argmax(logits, t.temperatures)
     # a floor keeps tiny temperatures finite; greedy rows' picks are replaced by the caller
-    logits = logits / t.temperatures.clamp_min(_MIN_TEMPERATURE)[:, None]
+    logits = logits / t.temperatures.clamp_min(MIN_TEMPERATURE)[:, None]
     if t.any_top_k or t.any_top_p:
         logits = _apply_top_k_top_p(logits, t.top_ks, t.top_ps)
     probs = logits.softmax(-1)
@@ -144,7 +144,7 @@ def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 def _gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     # the same race without the softmax: argmax(p / E) = argmax(logits / T - log E)
     u = torch.rand_like(logits).clamp_(_TINY, 1.0)
-    scaled = logits / temperatures.clamp_min(_MIN_TEMPERATURE)[:, None]
+    scaled = logits / temperatures.clamp_min(MIN_TEMPERATURE)[:, None]
     return (scaled - torch.log(-torch.log(u))).argmax(-1)
 
 
