@@ -42,6 +42,7 @@ for flags in "${ablations[@]}"; do
     --out "$OUT/offline-$name.json" 2>&1 | tee "$OUT/offline-$name.log" | tail -8
 done
 if [ -n "$PROFILE" ]; then
-  timeout "${PROFILE_S:-150}" python3 benchmarks/profile_step.py 2>&1 | tee "$OUT/profile.log" \
-    | tail -40
+  # shellcheck disable=SC2086
+  timeout "${PROFILE_S:-150}" python3 benchmarks/profile_step.py ${PROFILE_ARGS:-} 2>&1 \
+    | tee "$OUT/profile.log" | tail -40
 fi
