@@ -165,3 +165,17 @@ def test_block_after_another_prefix_is_not_reused_when_hashes_ignore_prefixes(mo
         bm.free(seq)
     # the cached `y` that the hash finds follows `z`, so only `x` may be reused
     assert bm.allocate_cached_prefix(make_seq(2, x + y + [0])) == 4
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_only_when_idle():
+    bm = BlockManager(8, 2)
+    seq = Sequence(0, [1, 2, 3, 4, 5], SamplingParams())
+    bm.allocate(seq, 5)
+    seq.num_computed_tokens = 5
+    bm.register_full_blocks(seq)
+    assert not bm.reset_prefix_cache()  # blocks in use: refused
+    bm.free(seq)
+    assert bm.reset_prefix_cache()
+    again = Sequence(1, [1, 2, 3, 4, 5], SamplingParams())
+    assert bm.allocate_cached_prefix(again) == 0
+    bm.check_invariants([])

@@ -145,7 +145,8 @@ def check_schedule(sched: Scheduler, batch, before: list[Sequence]) -> None:
     if len({s.priority for s in before}) == 1:
         assert preempted == before[len(before) - len(preempted) :], "victims come from the tail"
     survivors = [s for s in before if s.status == SequenceStatus.RUNNING]
-    assert sched.policy != "fair" or all(k.priority <= v.priority for k in survivors for v in preempted), "worst first"
+    worst_first = all(k.priority <= v.priority for k in survivors for v in preempted)
+    assert sched.policy != "fair" or worst_first, "victims come from the worst priority"
     # a sequence whose in-flight token is its last (by length) needs no step
     kept = [
         s

@@ -42,8 +42,14 @@ def test_vocab_wider_than_one_tile_and_strided_rows() -> None:
     logits = wide[:, :9000]
     logits[0, 8999] = 100.0
     logits[2, 4096] = 100.0
-    out = ts.gumbel_argmax(logits.to(DEVICE), torch.zeros(3, device=DEVICE), 1e-5)
-    assert out.cpu().tolist() == logits.argmax(-1).tolist()
+    for splits in (None, 1, 3):
+        out = ts.gumbel_argmax(logits.to(DEVICE), torch.zeros(3, device=DEVICE), 1e-5,
+                               num_splits=splits)
+        assert out.cpu().tolist() == logits.argmax(-1).tolist()
+    tie = torch.zeros(2, 9000)
+    tie[:, [2500, 7000]] = 1.0  # equal maxima in different splits: the lower id wins
+    out = ts.gumbel_argmax(tie.to(DEVICE), torch.zeros(2, device=DEVICE), 1e-5, num_splits=4)
+    assert out.tolist() == [2500, 2500]
 
 
 @pytest.mark.parametrize("temperature", [0.6])
@@ -66,3 +72,5 @@ def test_mixed_rows_and_fresh_noise_per_call() -> None:
     assert not torch.equal(a[1::2], b[1::2])  # a new seed per call
     same = ts.gumbel_argmax(logits, temps, 1e-5, seed=7)
     assert torch.equal(same, ts.gumbel_argmax(logits, temps, 1e-5, seed=7))
+    # the noise is keyed by token id, so the split count does not change the draw
+    assert torch.equal(same, ts.gumbel_argmax(logits, temps, 1e-5, seed=7, num_splits=3))

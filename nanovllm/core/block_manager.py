@@ -57,6 +57,16 @@ class BlockManager:
         total = seq.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (benchmarks repeat a workload from a cold cache);
+        False, and nothing changed, while any block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.hash, block.token_ids = -1, ()
+        self.hash_to_block.clear()
+        return True
+
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_blocks
 
