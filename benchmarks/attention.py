@@ -240,16 +240,7 @@ def sweeps(table: Table) -> None:
                                decode_config=cfg)
     del batch
 
-    print("\n-- decode splits (* = choose_num_splits)")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for num_rows, ctx in ((1, 2048), (4, 8192), (16, 8192), (64, 4096), (256, 1100)):
-        case = f"decode splits B={num_rows} ctx={ctx} bs=16"
-        if batch := make_batch(table, case, [(1, ctx)] * num_rows, 16):
-            auto = tb.choose_num_splits(num_rows, HKV, ctx, sms)
-            for splits in sorted({1, 2, 4, 8, 16, 32, auto}):
-                run_triton(table, case, f"{splits}{'*' if splits == auto else ''}", batch,
-                           graph=True, num_splits=splits)
-        del batch
+    decode_split_sweep(table)
 
     default = tb.default_prefill_config(D, 512, HQ // HKV, DTYPE)
     print(f"\n-- prefill tiles (default {default})")
@@ -264,9 +255,34 @@ def sweeps(table: Table) -> None:
                         run_triton(table, case, impl, batch, prefill_config=cfg)
 
 
+def decode_split_sweep(table: Table) -> None:
+    from nanovllm.model.attention import triton_backend as tb
+
+    print("\n-- decode splits (* = choose_num_splits)")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # ragged contexts, as in the offline workload's decode phase (graphs plan for 4096)
+    for lo, hi in ((100, 1100), (100, 2000)):
+        case = f"decode splits B=256 ragged ctx {lo}-{hi} bs=16"
+        if batch := make_batch(table, case, decode_rows(256, lo, hi), 16):
+            auto = tb.choose_num_splits(256, HKV, 4096, sms)
+            for splits in sorted({1, 2, 4, 8, auto}):
+                run_triton(table, case, f"{splits}{'*' if splits == auto else ''}", batch,
+                           graph=True, num_splits=splits)
+        del batch
+    for num_rows, ctx in ((1, 2048), (4, 8192), (16, 8192), (64, 4096), (256, 1100)):
+        case = f"decode splits B={num_rows} ctx={ctx} bs=16"
+        if batch := make_batch(table, case, [(1, ctx)] * num_rows, 16):
+            auto = tb.choose_num_splits(num_rows, HKV, ctx, sms)
+            for splits in sorted({1, 2, 4, 8, 16, 32, auto}):
+                run_triton(table, case, f"{splits}{'*' if splits == auto else ''}", batch,
+                           graph=True, num_splits=splits)
+        del batch
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="main table only, no sweeps")
+    parser.add_argument("--splits", action="store_true", help="only the decode split sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -278,7 +294,8 @@ def main() -> int:
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"triton {triton.__version__}; Hq={HQ} Hkv={HKV} D={D} {DTYPE}\n")
     table = Table()
-    for part in (main_table, None if args.quick else sweeps):
+    parts = (decode_split_sweep,) if args.splits else (main_table, None if args.quick else sweeps)
+    for part in parts:
         if part is None:
             continue
         try:
