@@ -131,9 +131,13 @@ class ModelRunner:
             budget = self.config.kv_cache_gib * 2**30
         elif self.device.type == "cuda":
             peak = self._profile_activation_bytes()
-            torch.cuda.empty_cache()
+            # the allocator keeps the profiling pass's memory cached (not emptied), so the
+            # first large step of real work finds it there instead of calling cudaMalloc;
+            # that cached pool counts as free here, the peak is set aside once
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1 - self.config.gpu_memory_utilization) - peak
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
+                self.device)
+            budget = free + cached - total * (1 - self.config.gpu_memory_utilization) - peak
         else:
             budget = CPU_KV_CACHE_GIB * 2**30
         num = int(budget // per_block)

@@ -42,6 +42,9 @@ import triton.language as tl
 from nanovllm.model.attention.metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
+# _NO_RESPECIALIZE: Triton compiles a variant per integer argument that is 1 or divisible by
+# 16; arguments that change from step to step (row and split counts) are kept generic, so
+# a step of a new size never compiles a kernel in the middle of serving
 # a finite "minus infinity" for running maxima, so a row that has seen no key yet gives
 # exp2(m_old - m_new) = 1 instead of exp2(-inf + inf) = NaN
 NEG_BIG = tl.constexpr(-1.0e30)
@@ -239,7 +242,7 @@ def _softmax_step(q, k, v, acc, m_i, l_i, allowed, scale_log2,
 # decode: one program per (row, kv head, split)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # see _NO_RESPECIALIZE
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, ctx_ptr, bt_ptr, scale_log2, num_splits,
@@ -310,7 +313,7 @@ def _decode_kernel(
         tl.store(part_o_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # see _NO_RESPECIALIZE
 def _reduce_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_splits,
     stride_ot, stride_oh, stride_od,
@@ -342,7 +345,7 @@ def _reduce_kernel(
 # prefill / chunked prefill: one program per (query tile of one row, kv head)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # see _NO_RESPECIALIZE
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     qsl_ptr, ctx_ptr, bt_ptr, scale_log2, num_rows,

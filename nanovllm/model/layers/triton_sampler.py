@@ -23,7 +23,7 @@ import triton.language as tl
 _rng = random.Random()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a fresh seed per call must not pick a variant
 def _gumbel_argmax_kernel(
     logits_ptr, stride_row, temps_ptr, best_ptr, best_idx_ptr, seed, vocab_size, split_len,
     min_temperature, BLOCK: tl.constexpr,
