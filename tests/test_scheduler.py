@@ -1,5 +1,6 @@
 """The scheduler driven like the engine does it, with a fake model and no torch."""
 
+import os
 import random
 
 import pytest
@@ -347,7 +348,9 @@ def expected_output(seq: Sequence, script: list[int], max_model_len: int):
     raise AssertionError("script too short")
 
 
-@settings(max_examples=1000, deadline=None, database=None)
+# HYPOTHESIS_EXAMPLES=10000 for a deeper search than CI's
+@settings(max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 1000)), deadline=None,
+          database=None)
 @given(st.data())
 def test_random_mix_of_requests_returns_every_block(data):
     policy = data.draw(st.sampled_from(POLICIES), label="policy")

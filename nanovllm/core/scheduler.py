@@ -259,6 +259,11 @@ class Scheduler:
         victim = self._victim()
         if victim.priority <= seq.priority:
             return False
+        # a prompt left mid-prefill by this step must get the next step's leftover budget:
+        # admitting another partial prompt beside it could starve it of a step
+        if any(s is not victim and s.num_computed_tokens + s.num_scheduled_tokens < s.num_tokens
+               for s in scheduled):
+            return False
         if victim in scheduled:
             scheduled.remove(victim)
         self._preempt(victim)
