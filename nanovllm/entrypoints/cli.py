@@ -1,4 +1,4 @@
-"""`nanovllm generate` and `nanovllm chat`: the engine from a terminal."""
+"""`nanovllm generate`, `nanovllm chat` and `nanovllm serve`: the engine from a terminal."""
 
 import argparse
 import logging
@@ -154,6 +154,36 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from nanovllm.entrypoints.openai.api_server import run_server  # FastAPI only when serving
+
+    return run_server(args, _engine_kwargs(args))
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NANOVLLM_API_KEY)",
+    )
+    g.add_argument("--served-model-name", default=None, help="model name clients must use")
+    g.add_argument(
+        "--max-num-waiting",
+        type=int,
+        default=256,
+        help="requests allowed to wait in the engine; more get HTTP 429",
+    )
+    g.add_argument(
+        "--max-request-bytes", type=int, default=1 << 20, help="larger bodies get HTTP 413"
+    )
+    g.add_argument(
+        "--log-interval", type=float, default=10.0, help="seconds between engine status lines"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanovllm", description="nano-vLLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -177,6 +207,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description="Serve the model over HTTP with OpenAI's /v1/completions and "
+        "/v1/chat/completions (streamed or not), plus /health, /metrics, /tokenize.",
+    )
+    _add_engine_args(serve)
+    _add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

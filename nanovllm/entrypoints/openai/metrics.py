@@ -1,0 +1,105 @@
+"""Prometheus metrics, named as vLLM's with a `nanovllm:` prefix.
+
+Engine numbers (queues, KV cache, token counters, finished requests) come from a fresh
+snapshot taken at each scrape; latency histograms are observed here, in the front end.
+"""
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# snapshot key -> (metric name, help)
+_GAUGES = {
+    "num_requests_running": ("nanovllm:num_requests_running", "Requests in the running batch."),
+    "num_requests_waiting": ("nanovllm:num_requests_waiting", "Requests waiting to be scheduled."),
+    "kv_cache_usage": ("nanovllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)."),
+    "num_kv_blocks": ("nanovllm:num_kv_blocks", "KV cache blocks in all."),
+    "num_free_kv_blocks": ("nanovllm:num_free_kv_blocks", "KV cache blocks free."),
+}
+_COUNTERS = {  # prometheus_client appends _total
+    "prefix_cache_queries": (
+        "nanovllm:prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    "prefix_cache_hits": ("nanovllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "num_preemptions": ("nanovllm:num_preemptions", "Sequences preempted."),
+    "prompt_tokens": ("nanovllm:prompt_tokens", "Prompt tokens of admitted requests."),
+    "generation_tokens": ("nanovllm:generation_tokens", "Tokens generated."),
+}
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _EngineCollector:
+    """Turns the snapshot set just before a scrape into metric families."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshot: dict[str, Any] | None = None
+
+    def describe(self) -> list:
+        return []  # no collect() at registration: there is no snapshot then
+
+    def collect(self):
+        s, labels = self.snapshot, [self.model_name]
+        if s is None:
+            return
+        for key, (name, doc) in _GAUGES.items():
+            if key in s:
+                yield _family(GaugeMetricFamily, name, doc, labels, s[key])
+        for key, (name, doc) in _COUNTERS.items():
+            if key in s:
+                yield _family(CounterMetricFamily, name, doc, labels, s[key])
+        done = CounterMetricFamily(
+            "nanovllm:request_success",
+            "Finished requests by finish reason.",
+            labels=["model_name", "finished_reason"],
+        )
+        for reason, count in s.get("finished", {}).items():
+            done.add_metric([self.model_name, reason], count)
+        yield done
+
+
+def _family(cls, name: str, doc: str, labels: list[str], value: float):
+    family = cls(name, doc, labels=["model_name"])
+    family.add_metric(labels, value)
+    return family
+
+
+class Metrics:
+    """The server's registry: engine snapshot collector plus front-end histograms.
+    Time to first token and per output token are observed for streamed requests only:
+    the engine reports a non-streamed request once, at its end."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._engine = _EngineCollector(model_name)
+        self.registry.register(self._engine)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            h = Histogram(name, doc, ["model_name"], registry=self.registry, buckets=buckets)
+            return h.labels(model_name)
+
+        self.ttft = histogram(
+            "nanovllm:time_to_first_token_seconds", "Time to first token (streamed).", _LATENCY
+        )
+        self.tpot = histogram(
+            "nanovllm:time_per_output_token_seconds",
+            "Time per output token after the first (streamed).",
+            _PER_TOKEN,
+        )
+        self.e2e = histogram("nanovllm:e2e_request_latency_seconds", "Arrival to last token.", _E2E)
+        self.queue_time = histogram(
+            "nanovllm:request_queue_time_seconds", "Time waiting before first scheduled.", _LATENCY
+        )
+
+    def render(self, snapshot: dict[str, Any] | None) -> bytes:
+        """The text exposition, with the engine numbers of `snapshot` (None: leave them out)."""
+        self._engine.snapshot = snapshot
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._engine.snapshot = None
