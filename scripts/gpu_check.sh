@@ -8,7 +8,7 @@
 # Logs go to $OUT (or ./gpu-out). Missing pure-Python packages travel as wheels in .whl/
 # (git-ignored: name `.whl` in the device tool's carry); the GPU image lacks only `gguf`:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux2014_x86_64 -d .whl gguf==0.19.0
+#     --platform manylinux2014_x86_64 -d .whl gguf==0.19.0   (scripts/gpu_serve.sh needs more)
 set -o pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then

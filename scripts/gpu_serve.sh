@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device run of the serving benchmark on the random-weight Qwen3-0.6B: Poisson rates,
+# then the same prompts offline. Usage on the GPU machine (repo root):
+#   bash scripts/gpu_serve.sh [serve.py args...]
+# The GPU image lacks the server's packages: carry them as wheels in .whl/ (git-ignored):
+#   pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+#     gguf==0.19.0 fastapi uvicorn prometheus_client httpx
+set -o pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
+MODEL=$(cd benchmarks && python3 -c "
+import json; from pathlib import Path
+from offline import QWEN3_CONFIG; from random_model import build_random_model
+print(build_random_model(json.loads(QWEN3_CONFIG.read_text()),
+                         Path('/tmp/nanovllm-qwen3-0.6b-random'))[0])")
+timeout "${SERVE_S:-400}" python3 benchmarks/serve.py \
+  --launch "--model $MODEL --max-num-seqs 256 --max-model-len 4096" --offline \
+  --out "$OUT/serve_h200.json" "$@" 2>&1 | tee "$OUT/serve.log" | tail -40
