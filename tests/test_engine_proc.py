@@ -111,3 +111,13 @@ def test_abort_timeout_and_backpressure_free_every_block(engine):
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"] == info["num_kv_blocks"]
     assert s["num_requests_running"] == s["num_requests_waiting"] == 0
     assert s["finished"]["abort"] >= 1 and s["finished"]["timeout"] == 1
+
+
+def test_served_name_keeps_dots_in_directory_names(tmp_path):
+    from nanovllm.entrypoints.engine_proc import served_name
+
+    (tmp_path / "Qwen3-0.6B").mkdir()
+    (tmp_path / "model.Q4_1.gguf").write_bytes(b"")
+    assert served_name(str(tmp_path / "Qwen3-0.6B")) == "Qwen3-0.6B"
+    assert served_name(str(tmp_path / "model.Q4_1.gguf")) == "model.Q4_1"
+    assert served_name(None) == "SmolLM2-135M-Instruct"

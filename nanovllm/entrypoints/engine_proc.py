@@ -92,7 +92,7 @@ def run_engine_loop(
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
         return
     loop = EngineLoop(engine, conn, max_num_waiting, log_interval)
-    name = Path(model).stem if model else "SmolLM2-135M-Instruct"
+    name = served_name(model)
     conn.send(("ready", {
         "model": name,
         "max_model_len": engine.max_model_len,
@@ -106,6 +106,15 @@ def run_engine_loop(
         loop.run()
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass  # the front end is gone: nothing left to serve
+
+
+def served_name(model: str | None) -> str:
+    """The model name clients use: a directory's whole name ("Qwen3-0.6B"), a file's name
+    without its extension ("SmolLM2-135M-Instruct.Q4_1" from ".gguf")."""
+    if not model:
+        return "SmolLM2-135M-Instruct"
+    path = Path(model)
+    return path.stem if path.is_file() else path.name
 
 
 class _Track:
