@@ -10,9 +10,11 @@ For each rate the same prompts are sent with exponential gaps (a Poisson process
 between successive streamed pieces (inter-token latency, ITL), the time per output token
 after the first (TPOT) and the end to end latency (E2E). Output lengths are fixed
 (`ignore_eos`), so every rate and the offline run do the same work. Before anything is
-timed, every prompt is sent once for 4 tokens (the offline run does the same): the first
-batch of a new shape is much slower (allocator growth, kernel choice) and would otherwise
-land in whichever run comes first.
+timed, a warm-up set of prompts of the same lengths is sent once for 4 tokens (the offline
+run does the same): the first batch of a new shape is much slower (allocator growth, kernel
+choice) and would otherwise land in whichever run comes first. The warm-up and every rate
+use their own prompts, so none is served from a prefix cache another filled; the offline
+run uses the prompts of rate inf.
 
 Reported per rate: requests/s and output tokens/s (over the time from the first send to the
 last response), and p50 / p90 / p99 of TTFT, ITL, TPOT and E2E in ms. `--out` gets the JSON,
@@ -99,8 +101,8 @@ def spread(rng: random.Random, n: int, ratio: float) -> int:
     return max(1, rng.randint(math.floor(n * (1 - ratio)), math.ceil(n * (1 + ratio))))
 
 
-def make_requests(args: argparse.Namespace) -> list[Request]:
-    rng = random.Random(args.seed)
+def make_requests(args: argparse.Namespace, seed: int) -> list[Request]:
+    rng = random.Random(seed)
     reqs = []
     for i in range(args.num_prompts):
         out_len = spread(rng, args.output_len, args.range_ratio)
@@ -316,7 +318,9 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def run_offline(launch_args: list[str], reqs: list[Request], temperature: float) -> dict:
+def run_offline(
+    launch_args: list[str], warm_reqs: list[Request], reqs: list[Request], temperature: float
+) -> dict:
     """The same prompts through LLM.generate, with the engine arguments the server had."""
     from nanovllm import LLM, SamplingParams
     from nanovllm.entrypoints.cli import _engine_kwargs, build_parser
@@ -329,7 +333,7 @@ def run_offline(launch_args: list[str], reqs: list[Request], temperature: float)
         for r in reqs
     ]
     warm = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=4)
-    llm.generate([r.prompt for r in reqs], warm, use_tqdm=False)  # as the server's warm-up
+    llm.generate([r.prompt for r in warm_reqs], warm, use_tqdm=False)  # as the server's
     start = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -456,7 +460,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     rates = [math.inf if r.strip() in ("inf", "Inf") else float(r) for r in args.rates.split(",")]
-    reqs = make_requests(args)
+    # distinct prompts (same length distribution) for the warm-up and for each rate, so no
+    # run is served from the prefix cache another run filled; offline gets the inf rate's
+    warm_reqs = make_requests(args, args.seed)
+    rate_reqs = [make_requests(args, args.seed + 1 + i) for i in range(len(rates))]
+    reqs = rate_reqs[rates.index(math.inf)] if math.inf in rates else rate_reqs[-1]
     launch_args = shlex.split(args.launch) if args.launch is not None else None
     proc, base_url = None, args.base_url.rstrip("/")
     if launch_args is not None:
@@ -467,17 +475,17 @@ def main() -> None:
         models = httpx.get(base_url + "/v1/models", headers=headers, timeout=30).json()
         model = args.model_name or models["data"][0]["id"]
         print(f"server {base_url}, model {model}, {len(reqs)} {args.dataset} prompts", flush=True)
-        asyncio.run(warm_up(args, base_url, model, reqs))
+        asyncio.run(warm_up(args, base_url, model, warm_reqs))
         runs = []
-        for rate in rates:
-            runs.append(run_rate(args, base_url, model, reqs, rate))
+        for rate, rate_set in zip(rates, rate_reqs):
+            runs.append(run_rate(args, base_url, model, rate_set, rate))
             print_table(runs[-1:])
     finally:
         if proc is not None:
             stop(proc)
     offline = None
     if args.offline:
-        offline = run_offline(launch_args, reqs, args.temperature)
+        offline = run_offline(launch_args, warm_reqs, reqs, args.temperature)
         print(f"offline LLM.generate: {offline['output_throughput']:.1f} output tok/s")
     print()
     print_table(runs)

@@ -21,3 +21,5 @@ print(build_random_model(json.loads(QWEN3_CONFIG.read_text()),
 timeout "${SERVE_S:-400}" python3 benchmarks/serve.py \
   --launch "--model $MODEL --max-num-seqs 256 --max-model-len 4096" --offline \
   --out "$OUT/serve_h200.json" "$@" 2>&1 | tee "$OUT/serve.log" | tail -40
+# the server's own log (start-up, per-request lines, engine lines), also after a timeout
+cp /tmp/nanovllm-serve-*.log "$OUT"/ 2>/dev/null || true
