@@ -144,7 +144,8 @@ class _Sub:
     prompt_index: int
     num_prompt_tokens: int
     left: int  # completions not finished
-    added: bool = False
+    sent: bool = False  # handed to the engine pipe
+    added: bool = False  # accepted by the engine
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     queue_time: float | None = None
@@ -180,6 +181,7 @@ class Generation:
                 add = AddRequest(
                     sub.request_id, ids, self.params, None, r.priority, r.timeout, r.stream
                 )
+                sub.sent = True  # from here the engine may hold it, even if we are cancelled
                 await self.server.client.add(add, self.queue)
                 sub.added = True
         except BaseException:
@@ -249,9 +251,11 @@ class Generation:
             return
         self.closed = True
         for sub in self.subs.values():
-            unfinished = sub.added and sub.left > 0
+            unfinished = sub.sent and sub.left > 0
+            # an abort queued behind its own add (the pipe keeps order) ends it even when the
+            # client left before the engine accepted it; the engine ignores unknown ids
             self.server.client.release(sub.request_id, abort=unfinished)
-            if unfinished:
+            if unfinished and sub.added:
                 self._log(sub)
 
     def usage(self) -> dict[str, Any]:
