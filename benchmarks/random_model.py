@@ -47,16 +47,19 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_tokenizer(path: Path) -> None:
-    """Byte-level BPE with one token per byte and no merges: every string tokenizes (one id per
-    UTF-8 byte), in well under a second. Its ids are all far below the model's vocab_size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with one word per model id ("t0" ... "t{V-1}", the specials at
+    Qwen's ids): every id a random model samples decodes to visible text, so a streaming
+    client sees each token arrive (serving benchmarks time them). Words it does not know
+    encode to "t0"; token-id prompts need no encoding at all."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    specials = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
+    vocab = {f"t{i}": i for i in range(vocab_size) if i not in specials.values()}
+    vocab.update({k: v for k, v in specials.items() if v < vocab_size})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([k for k, v in specials.items() if v < vocab_size])
     tok.save(str(path / "tokenizer.json"))
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -96,7 +99,7 @@ def build_random_model(cfg: dict, path: Path, seed: int = 0) -> tuple[Path, bool
             t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
         tensors[name] = t.cpu().contiguous()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(path)
+    write_tokenizer(path, cfg["vocab_size"])
     config_file.write_text(json.dumps(cfg, indent=2))
     (path / DONE_MARKER).write_text("ok\n")
     return path, True

@@ -7,6 +7,7 @@ process owns scheduling, the model, detokenization and stop strings, and sends t
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -188,21 +189,28 @@ class Generation:
             self.close()
             raise
 
-    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
-        """(choice index, Delta) until every completion has finished."""
+    async def delta_batches(self) -> AsyncIterator[list[tuple[int, Delta]]]:
+        """[(choice index, Delta)] until every completion has finished. Everything already
+        queued is taken at once and merged per choice, so a client that falls behind the
+        engine gets fewer, larger chunks instead of a growing backlog of tiny ones."""
         left = len(self.choices)
         while left:
-            d = await self.queue.get()
-            if isinstance(d, Exception):
-                raise d
-            sub = self.subs[d.request_id]
-            i = sub.prompt_index * self.n + d.index
-            self._observe(sub, self.choices[i], d)
-            left -= d.finish_reason is not None
-            yield i, d
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            merged: dict[int, Delta] = {}
+            for d in items:
+                if isinstance(d, Exception):
+                    raise d
+                sub = self.subs[d.request_id]
+                i = sub.prompt_index * self.n + d.index
+                self._observe(sub, self.choices[i], d)
+                left -= d.finish_reason is not None
+                merged[i] = _merge(merged[i], d) if i in merged else d
+            yield list(merged.items())
 
     async def collect(self) -> None:
-        async for _ in self.deltas():
+        async for _ in self.delta_batches():
             pass
 
     def _observe(self, sub: _Sub, choice: _Choice, d: Delta) -> None:
@@ -306,6 +314,15 @@ async def _generate(request: Request, gen: Generation, shape: ResponseShape) -> 
     return JSONResponse({**gen.header(shape.obj), "choices": choices, "usage": gen.usage()})
 
 
+def _merge(a: Delta, b: Delta) -> Delta:
+    """Two successive Deltas of one completion as one."""
+    lps = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (
+        b.logprobs or [])
+    queue_time = a.queue_time if a.queue_time is not None else b.queue_time
+    return dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
+                               logprobs=lps, queue_time=queue_time)
+
+
 async def _sse_events(gen: Generation, shape: ResponseShape) -> AsyncIterator[str]:
     usage = gen.req.include_usage
 
@@ -318,11 +335,15 @@ async def _sse_events(gen: Generation, shape: ResponseShape) -> AsyncIterator[st
     try:
         for choice in shape.opening(len(gen.choices)):
             yield event([choice])
-        async for i, d in gen.deltas():
-            if d.text or d.logprobs or d.finish_reason:  # not a character still incomplete
-                entries = list(zip(d.token_ids, d.logprobs or ()))
-                args = (i, d.text, entries, d.finish_reason, d.stop_reason)
-                yield event([shape.choice(*args, delta=True)])
+        async for batch in gen.delta_batches():
+            events = []
+            for i, d in batch:
+                if d.text or d.logprobs or d.finish_reason:  # not a character still incomplete
+                    entries = list(zip(d.token_ids, d.logprobs or ()))
+                    args = (i, d.text, entries, d.finish_reason, d.stop_reason)
+                    events.append(event([shape.choice(*args, delta=True)]))
+            if events:
+                yield "".join(events)  # one write for the whole batch
         if usage:
             yield event([], gen.usage())
     except Exception as e:  # the response has started: report the error in the stream

@@ -145,8 +145,12 @@ class EngineClient:
 
     def _on_readable(self) -> None:
         try:
-            while self.conn.poll():
+            # a bounded batch: a fast engine keeps the pipe readable, and an unbounded loop
+            # here would starve the HTTP side of the event loop (the reader fires again)
+            for _ in range(32):
                 self._dispatch(self.conn.recv())
+                if not self.conn.poll():
+                    break
         except (EOFError, OSError):
             self._fail("the engine process closed its pipe")
 
