@@ -7,7 +7,7 @@ import time
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.entrypoints.engine_proc import AddRequest, start_engine
+from nanovllm.engine.engine_proc import AddRequest, start_engine
 
 ENGINE = dict(device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
 
@@ -114,7 +114,7 @@ def test_abort_timeout_and_backpressure_free_every_block(engine):
 
 
 def test_served_name_keeps_dots_in_directory_names(tmp_path):
-    from nanovllm.entrypoints.engine_proc import served_name
+    from nanovllm.engine.engine_proc import served_name
 
     (tmp_path / "Qwen3-0.6B").mkdir()
     (tmp_path / "model.Q4_1.gguf").write_bytes(b"")

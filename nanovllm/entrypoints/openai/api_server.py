@@ -2,7 +2,7 @@
 
 Here: auth, body limits, tokenization and chat templates, validation, SSE, metrics. The engine
 process owns scheduling, the model, detokenization and stop strings, and sends text deltas
-(see entrypoints/engine_proc.py).
+(see nanovllm/engine/engine_proc.py).
 """
 
 import argparse
@@ -29,8 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nanovllm.core.config import EngineConfig
 from nanovllm.core.errors import InvalidRequestError
 from nanovllm.core.sampling_params import SamplingParams
+from nanovllm.engine.engine_proc import AddRequest, Delta
 from nanovllm.engine.tokenizer import Tokenizer
-from nanovllm.entrypoints.engine_proc import AddRequest, Delta
 from nanovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError
 from nanovllm.entrypoints.openai.metrics import Metrics
 from nanovllm.entrypoints.openai.protocol import (

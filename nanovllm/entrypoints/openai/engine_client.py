@@ -10,7 +10,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from nanovllm.core.errors import NanoVLLMError
-from nanovllm.entrypoints.engine_proc import AddRequest, Delta, start_engine
+from nanovllm.engine.engine_proc import AddRequest, Delta, start_engine
 from nanovllm.entrypoints.openai.protocol import APIError
 
 log = logging.getLogger("nanovllm.server")
