@@ -320,7 +320,7 @@ class LLMEngine:
             lps = seq.logprobs if seq.sampling_params.logprobs is not None else None
             outs.append(
                 CompletionOutput(
-                    i, req.texts[i], list(seq.output_token_ids), reason, seq.stop_reason, lps
+                    i, req.texts[i], seq.output_token_ids, reason, seq.stop_reason, lps
                 )
             )
         first = req.seqs[0]
