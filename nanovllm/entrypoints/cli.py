@@ -24,6 +24,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gib", type=float, default=None)
     g.add_argument("--scheduling-policy", choices=["fair", "prefill_first"], default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--overlap", choices=["auto", "on", "off"], default="auto",
+        help="schedule step N+1 while step N runs (auto: on for CUDA, off for CPU)",
+    )
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     g.add_argument("-v", "--verbose", action="store_true", help="log engine start-up details")
 
@@ -60,6 +65,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kw["enable_prefix_caching"] = False
     if args.threads:
         kw["num_threads"] = args.threads
+    if args.overlap != "auto":
+        kw["overlap"] = args.overlap == "on"
+    if args.enforce_eager:
+        kw["enforce_eager"] = True
     return kw
 
 
