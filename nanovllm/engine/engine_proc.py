@@ -82,7 +82,8 @@ def run_engine_loop(
     conn: Connection, model: str | None, engine_kwargs: dict, max_num_waiting: int | None,
     log_interval: float,
 ) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from nanovllm.engine.llm_engine import LLMEngine
 

@@ -230,9 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # a server's log is read after the fact: its lines carry the time (the engine
+    # process logs in the same format)
+    when = "%(asctime)s " if args.command == "serve" else ""
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
+        format=when + "%(levelname)s %(name)s: %(message)s",
     )
     try:
         return args.func(args)
