@@ -6,8 +6,10 @@ snapshot taken at each scrape; latency histograms are observed here, in the fron
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series: process start times, noise on every scrape
 
 # snapshot key -> (metric name, help)
 _GAUGES = {
