@@ -104,6 +104,7 @@ def test_abort_timeout_and_backpressure_free_every_block(engine):
                 seen[msg[1]] = msg
     rejected = [m for m in seen.values() if m[0] == "rejected"]
     assert rejected and all(m[2] == 429 and "max-num-waiting" in m[3] for m in rejected)
+    assert all(1 <= m[4] <= 60 for m in rejected)  # Retry-After seconds
     for rid, m in seen.items():
         if m[0] == "accepted":
             conn.send(("abort", rid))

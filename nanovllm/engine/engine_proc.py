@@ -12,14 +12,16 @@ and its cost per token is small next to a step. What leaves is text deltas.
 Messages (pickled tuples over one duplex multiprocessing Pipe):
   front end -> engine: ("add", AddRequest) | ("abort", id) | ("stats", token) | ("shutdown",)
   engine -> front end: ("ready", info) | ("fatal", message) | ("accepted", id)
-      | ("rejected", id, http_status, message) | ("out", [Delta, ...])
+      | ("rejected", id, http_status, message, retry_after_s) | ("out", [Delta, ...])
       | ("stats", token, dict)
 """
 
 import logging
+import math
 import multiprocessing
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -144,6 +146,7 @@ class EngineLoop:
         self._last_log = time.monotonic()
         self._last_gen = 0
         self.prompt_tokens = 0  # of accepted requests
+        self._finish_times: deque[float] = deque()  # completions ended, for Retry-After
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -185,9 +188,11 @@ class EngineLoop:
         engine = self.engine
         waiting = len(engine.scheduler.waiting)
         if self.max_num_waiting is not None and waiting >= self.max_num_waiting:
+            retry = self._retry_after(waiting)
             self.conn.send(("rejected", req.request_id, 429,
                             f"the server is at capacity ({waiting} requests waiting, "
-                            f"--max-num-waiting {self.max_num_waiting}); retry later"))
+                            f"--max-num-waiting {self.max_num_waiting}); retry in {retry} s",
+                            retry))
             return
         try:
             if len(req.prompt_token_ids) >= engine.max_model_len:
@@ -198,7 +203,7 @@ class EngineLoop:
                                prompt_token_ids=req.prompt_token_ids, stream=req.stream,
                                priority=req.priority)
         except NanoVLLMError as e:
-            self.conn.send(("rejected", req.request_id, 400, str(e)))
+            self.conn.send(("rejected", req.request_id, 400, str(e), None))
             return
         self.prompt_tokens += len(req.prompt_token_ids)
         if req.timeout is not None:
@@ -207,6 +212,17 @@ class EngineLoop:
         if req.stream and stops:
             self.holdback[req.request_id] = max(len(s) for s in stops) - 1
         self.conn.send(("accepted", req.request_id))
+
+    def _retry_after(self, waiting: int) -> int:
+        """Seconds until the waiting queue has likely drained, from the rate requests
+        finished over the last minute: 1 to 60."""
+        now = time.monotonic()
+        while self._finish_times and self._finish_times[0] < now - 60.0:
+            self._finish_times.popleft()
+        if len(self._finish_times) < 2:
+            return 5  # nothing to go by yet
+        rate = len(self._finish_times) / max(now - self._finish_times[0], 1.0)
+        return max(1, min(60, math.ceil(waiting / rate)))
 
     def _expire(self) -> None:
         if not self.deadlines:
@@ -254,6 +270,8 @@ class EngineLoop:
                 ))
                 track.chars, track.tokens, track.first = end, len(o.token_ids), False
                 track.done = o.finish_reason is not None
+                if track.done:
+                    self._finish_times.append(time.monotonic())
                 if o.finish_reason in ("stop", "length"):
                     self.finished[o.finish_reason] += 1
             if out.finished:

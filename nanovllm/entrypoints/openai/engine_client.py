@@ -91,8 +91,8 @@ class EngineClient:
             self._acks.pop(req.request_id, None)
         if reply[0] == "rejected":
             self._queues.pop(req.request_id, None)
-            _, _, status, message = reply
-            headers = {"Retry-After": "1"} if status == 429 else None
+            _, _, status, message, retry_after = reply
+            headers = {"Retry-After": str(retry_after or 1)} if status == 429 else None
             code = "rate_limit_exceeded" if status == 429 else None
             raise APIError(status, message, code=code, headers=headers)
 
