@@ -1,8 +1,9 @@
 """Optional torch.compile of the small elementwise pieces (norms, RoPE, SiLU).
 
 Each is several tiny kernels in eager mode and one fused kernel compiled. Off by default
-(`EngineConfig.torch_compile`) until it is measured on a warm GPU against the uncompiled
-engine; it adds ~30 s to start-up (BENCHMARKS.md has the figures so far).
+(`EngineConfig.torch_compile`): on CUDA the hand-written Triton kernels of `fused.py` take
+precedence when `fused_kernels` is on (the default), so this matters only with them off or
+on other devices; it adds ~30 s to start-up (BENCHMARKS.md).
 """
 
 from collections.abc import Callable
