@@ -53,10 +53,7 @@ def main() -> None:
     wall = time.perf_counter() - start
     print(f"unprofiled, {len(engine.scheduler.running)} rows: "
           f"{wall / args.steps * 1e3:.2f} ms/step")
-    print("  host ms/step: " + ", ".join(
-        f"{k} {(v - t_before[k]) / args.steps * 1e3:.2f}" for k, v in engine.timing.items()))
-    print("  inside launch, ms/step: " + ", ".join(
-        f"{k} {v / args.steps * 1e3:.2f}" for k, v in parts.items()))
+    _print_host_parts(engine, t_before, parts, args.steps)
     parts.clear()
     torch.cuda.synchronize()
     t0 = dict(engine.timing)
@@ -75,10 +72,7 @@ def main() -> None:
     rows = len(engine.scheduler.running)
     print(f"{args.steps} decode steps, {rows} rows, overlap={engine.overlap}: "
           f"{wall / args.steps * 1e3:.2f} ms/step (profiled)")
-    print("host ms/step: " + ", ".join(
-        f"{k} {(v - t0[k]) / args.steps * 1e3:.2f}" for k, v in engine.timing.items()))
-    print("inside launch, ms/step: " + ", ".join(
-        f"{k} {v / args.steps * 1e3:.2f}" for k, v in parts.items()))
+    _print_host_parts(engine, t0, parts, args.steps)
     kernel_us = sum(e.device_time_total for e in prof.key_averages()
                     if e.device_type == torch.autograd.DeviceType.CUDA)
     print(f"GPU kernel time {kernel_us / args.steps / 1e3:.2f} ms/step "
@@ -94,12 +88,13 @@ def main() -> None:
         sort_by="cuda_time_total", row_limit=18, max_name_column_width=60
     )
     print(table)
-    # uninstrumented timing of the same kind of step
-    t1 = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    torch.cuda.synchronize()
-    print(f"unprofiled: {(time.perf_counter() - t1) / args.steps * 1e3:.2f} ms/step")
+
+
+def _print_host_parts(engine, timing_before: dict, parts: dict, steps: int) -> None:
+    print("  host ms/step: " + ", ".join(
+        f"{k} {(v - timing_before[k]) / steps * 1e3:.2f}" for k, v in engine.timing.items()))
+    print("  inside launch, ms/step: " + ", ".join(
+        f"{k} {v / steps * 1e3:.2f}" for k, v in parts.items()))
 
 
 def _time_launch_parts() -> dict[str, float]:

@@ -194,8 +194,7 @@ class LLMEngine:
         for i, seq in enumerate(req.seqs):
             if not seq.is_finished:
                 self.scheduler.finish(seq, reason)
-                skip = seq.sampling_params.skip_special_tokens
-                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)
+                text = self._decode_output(seq)
                 if req.stream:  # what streaming already showed may end before a held-back tail
                     text = text if text.startswith(req.texts[i]) else req.texts[i]
                 req.texts[i] = text
@@ -280,8 +279,7 @@ class LLMEngine:
             if req.stream or seq.sampling_params.stop_list:
                 self._update_text(req, i, seq)  # incremental: streaming, or stop strings
             elif seq.is_finished:
-                skip = seq.sampling_params.skip_special_tokens
-                req.texts[i] = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)
+                req.texts[i] = self._decode_output(seq)
             if req.stream or seq.is_finished:
                 touched[req.request_id] = req
         self.timing["postprocess"] += time.perf_counter() - t1
@@ -307,11 +305,12 @@ class LLMEngine:
                 else:
                     self.scheduler.finish(seq, FinishReason.STOP, stop)
                 return
-        if seq.is_finished:
-            text = self.tokenizer.decode(
-                seq.output_token_ids, skip_special_tokens=sp.skip_special_tokens
-            )
-        req.texts[i] = text
+        req.texts[i] = self._decode_output(seq) if seq.is_finished else text
+
+    def _decode_output(self, seq: Sequence) -> str:
+        """A completion's whole text, decoded at once (its final form)."""
+        skip = seq.sampling_params.skip_special_tokens
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)
 
     def _make_output(self, req: Request) -> RequestOutput:
         outs = []

@@ -133,8 +133,9 @@ class InputBuffers:
         logits_indices: list[int] = []
         ph_pos: list[int] = []
         ph_seq: list[int] = []
-        tables: list[list[int]] = []
-        for seq in seqs:
+        # entries past a row's table are never read (the kernels stop at its context)
+        table_rows = h32[self.tables_at : self.tables_at + r * W].reshape(r, W)
+        for row, seq in enumerate(seqs):
             start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
             end = start + n
             table = seq.block_table
@@ -162,7 +163,7 @@ class InputBuffers:
                     pos += run
             query_lens.append(n)
             context_lens.append(end)
-            tables.append(table)
+            table_rows[row, : len(table)] = table
             if end == seq.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
         t, s, p = len(input_ids), len(logits_indices), len(ph_pos)
@@ -185,15 +186,12 @@ class InputBuffers:
             h64[T + t : T + t + pad] = 0
             h64[2 * T + t : 2 * T + t + pad] = -1
             h32[R + 1 + r : R + 1 + padded] = 0
-        if max(query_lens) == 1:
+        max_query_len = max(query_lens)
+        if max_query_len == 1:
             h32[: padded + 1] = self._arange[: padded + 1]
         else:
             h32[1 : r + 1] = np.cumsum(query_lens)
             h32[r + 1 : padded + 1] = t + np.arange(1, pad + 1)
-        # entries past a row's table are never read (the kernels stop at its context)
-        table_rows = h32[self.tables_at : self.tables_at + r * W].reshape(r, W)
-        for row, table in enumerate(tables):
-            table_rows[row, : len(table)] = table
 
         if self.cuda:
             # the int64 copy always spans the fixed regions; ~400 KB at the default budget
@@ -209,7 +207,7 @@ class InputBuffers:
             query_start_loc=self.query_start_loc(padded),
             context_lens=self.context_lens(padded),
             block_tables=self.block_tables(padded),
-            max_query_len=max(query_lens),
+            max_query_len=max_query_len,
             max_context_len=max(context_lens),
             query_lens_host=query_lens + [1] * pad,
             context_lens_host=context_lens + [0] * pad,
@@ -220,7 +218,7 @@ class InputBuffers:
             meta=meta,
             logits_indices=self.dev64[3 * T : 3 * T + s],
             num_sampling_rows=s,
-            decode_only=meta.max_query_len == 1,
+            decode_only=max_query_len == 1,
             placeholder_positions=self.dev64[3 * T + R : 3 * T + R + p],
             placeholder_rows=self.dev64[3 * T + 2 * R : 3 * T + 2 * R + p],
             placeholder_seq_ids=ph_seq,

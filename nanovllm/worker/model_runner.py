@@ -14,7 +14,6 @@ from nanovllm.model.layers.sampler import (
     MIN_TEMPERATURE,
     SamplerOutput,
     sample,
-    set_triton_sampling,
 )
 from nanovllm.model.loader.source import ModelSource
 from nanovllm.model.loader.weights import load_weights
@@ -92,7 +91,6 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         compile_layers.set_enabled(config.torch_compile)
-        set_triton_sampling(config.fused_kernels)
         if self.device.type == "cuda":  # fused.py needs triton, which CPU installs may lack
             from nanovllm.model.layers import fused
 
@@ -271,9 +269,7 @@ class ModelRunner:
                 first += len(seqs[-1].block_table)
             for batch in (ScheduledBatch(seqs), ScheduledBatch(seqs[:1])):
                 # the engine's own buffers: Triton specializes on their strides
-                inputs = self.buffers.prepare(batch) if self.buffers else prepare_inputs(
-                    batch, bs, self.device)
-                self._logits(inputs)
+                self._logits(self.buffers.prepare(batch))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 

@@ -2,6 +2,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.model.layers.norm import fused_ops
+
 _M32 = 0xFFFFFFFF
 _TINY = torch.finfo(torch.float32).tiny
 MIN_TEMPERATURE = 1e-5  # a floor that keeps logits / T finite
@@ -89,19 +91,11 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     return out
 
 
-_triton_sampling = True
-
-
-def set_triton_sampling(enabled: bool) -> None:
-    """Use the one-pass Triton kernel on CUDA when a batch allows it (default on)."""
-    global _triton_sampling
-    _triton_sampling = enabled
-
-
 def _one_pass_kernel(logits: torch.Tensor, t: SamplingTensors):
     """The Triton one-pass sampler when it can serve this batch on this device, else None:
     greedy and temperature rows only (no top-k/top-p/min-p, no seeded rows)."""
-    if not (_triton_sampling and logits.is_cuda) or logits.stride(-1) != 1:
+    # the same switch as the other fused kernels (EngineConfig.fused_kernels)
+    if fused_ops(logits) is None or logits.stride(-1) != 1:
         return None
     if not t.all_greedy and (t.any_top_k or t.any_top_p or t.any_min_p or t.any_seeded):
         return None
