@@ -37,7 +37,7 @@ class StepInputs:
     placeholder_positions: torch.Tensor
     placeholder_rows: torch.Tensor
     placeholder_seq_ids: list[int]
-    padded_rows: int  # rows including padding (a CUDA graph's batch size), >= meta.num_rows
+    padded_rows: int  # rows including padding (a CUDA graph's batch size), >= the batch's
     temperatures: torch.Tensor | None = None  # [S] float32, when given to `prepare`
 
 

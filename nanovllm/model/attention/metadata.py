@@ -23,7 +23,3 @@ class AttentionMetadata:
     # host copies, so the torch backend can split rows without a device sync
     query_lens_host: list[int]
     context_lens_host: list[int]
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.query_lens_host)

@@ -41,11 +41,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [T, Hq, D], k: [T, Hkv, D]
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
+        """RoPE on q [T, Hq, D] and k [T, Hkv, D], after the per-head RMSNorms of Qwen3
+        when given; on CUDA one fused kernel does both, in place on q and k."""
         ops = fused_ops(q)
-        if ops is not None:  # in place on q and k
-            return ops.qk_norm_rope(q, k, positions, self.cos, self.sin)
+        if ops is not None:
+            norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+            return ops.qk_norm_rope(q, k, positions, self.cos, self.sin, *norms)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         return apply_rotary(positions, q, k, self.cos, self.sin)
 
 

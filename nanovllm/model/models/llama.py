@@ -9,7 +9,7 @@ from nanovllm.model.layers.activation import SiluAndMul
 from nanovllm.model.layers.attention import Attention
 from nanovllm.model.layers.embedding import LMHead, VocabEmbedding
 from nanovllm.model.layers.linear import Linear, MergedLinear
-from nanovllm.model.layers.norm import RMSNorm, fused_ops
+from nanovllm.model.layers.norm import RMSNorm
 from nanovllm.model.layers.rotary import RotaryEmbedding
 
 
@@ -37,15 +37,7 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        ops = fused_ops(q)
-        if ops is not None and self.q_norm is not None:
-            # Qwen3: q/k norm and RoPE in one kernel, in place on the qkv output
-            qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-            q, k = ops.qk_norm_rope(q, k, positions, self.rotary.cos, self.rotary.sin, qw, kw, eps)
-        else:
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
         o = self.attn(q, k, v, meta)
         return self.o_proj(o.flatten(1))
 
