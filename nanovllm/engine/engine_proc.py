@@ -39,7 +39,6 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    prompt: str | None = None
     priority: int = 0  # lower value is served first and may preempt worse running work
     timeout: float | None = None  # seconds from arrival; then finish_reason "timeout"
     stream: bool = True  # False: one Delta per completion, when it ends
@@ -56,7 +55,6 @@ class Delta:
     logprobs: list[dict[int, float]] | None  # one entry per new token, when asked for
     finish_reason: str | None
     stop_reason: int | str | None
-    num_prompt_tokens: int
     num_cached_tokens: int
     queue_time: float | None  # seconds waiting before first scheduled (first Delta only)
 
@@ -123,11 +121,11 @@ def served_name(model: str | None) -> str:
 class _Track:
     """What a completion has sent so far."""
 
-    __slots__ = ("chars", "tokens", "logprobs", "first", "done")
+    __slots__ = ("chars", "tokens", "logprobs", "done")
 
     def __init__(self) -> None:
         self.chars = self.tokens = self.logprobs = 0
-        self.first, self.done = True, False
+        self.done = False
 
 
 class EngineLoop:
@@ -194,14 +192,9 @@ class EngineLoop:
                             f"--max-num-waiting {self.max_num_waiting}); retry in {retry} s",
                             retry))
             return
-        try:
-            if len(req.prompt_token_ids) >= engine.max_model_len:
-                raise NanoVLLMError(
-                    f"the prompt has {len(req.prompt_token_ids)} tokens but the context is "
-                    f"{engine.max_model_len}; shorten the prompt")
-            engine.add_request(req.prompt, req.params, req.request_id,
-                               prompt_token_ids=req.prompt_token_ids, stream=req.stream,
-                               priority=req.priority)
+        try:  # the engine checks the ids (vocabulary, empty, longer than the context)
+            engine.add_request(req.prompt_token_ids, req.params, req.request_id,
+                               stream=req.stream, priority=req.priority)
         except NanoVLLMError as e:
             self.conn.send(("rejected", req.request_id, 400, str(e), None))
             return
@@ -253,12 +246,13 @@ class EngineLoop:
             for o in out.outputs:
                 key = (out.request_id, o.index)
                 track = self.tracks.get(key)
-                if track is None:
+                first = track is None
+                if first:
                     track = self.tracks[key] = _Track()
                 elif track.done or (track.tokens == len(o.token_ids) and not o.finish_reason):
                     continue  # this completion did not move, or has ended already
                 end = len(o.text) if o.finish_reason else max(track.chars, len(o.text) - held)
-                queue_time = out.queue_time if track.first else None
+                queue_time = out.queue_time if first else None
                 lps = None
                 if o.logprobs is not None:
                     lps = o.logprobs[track.logprobs:]
@@ -266,9 +260,9 @@ class EngineLoop:
                 deltas.append(Delta(
                     out.request_id, o.index, o.text[track.chars:end],
                     o.token_ids[track.tokens:], lps, o.finish_reason, o.stop_reason,
-                    out.num_prompt_tokens, out.num_cached_tokens, queue_time,
+                    out.num_cached_tokens, queue_time,
                 ))
-                track.chars, track.tokens, track.first = end, len(o.token_ids), False
+                track.chars, track.tokens = end, len(o.token_ids)
                 track.done = o.finish_reason is not None
                 if track.done:
                     self._finish_times.append(time.monotonic())

@@ -179,9 +179,7 @@ class Generation:
         try:
             for sub, ids in zip(self.subs.values(), self.prompts):
                 # not streamed: the engine sends one Delta per completion, at its end
-                add = AddRequest(
-                    sub.request_id, ids, self.params, None, r.priority, r.timeout, r.stream
-                )
+                add = AddRequest(sub.request_id, ids, self.params, r.priority, r.timeout, r.stream)
                 sub.sent = True  # from here the engine may hold it, even if we are cancelled
                 await self.server.client.add(add, self.queue)
                 sub.added = True
@@ -215,10 +213,11 @@ class Generation:
 
     def _observe(self, sub: _Sub, choice: _Choice, d: Delta) -> None:
         now, m, stream = time.monotonic(), self.server.metrics, self.req.stream
-        choice.text.append(d.text)
         choice.token_ids += d.token_ids
-        if d.logprobs:
-            choice.logprobs += zip(d.token_ids, d.logprobs)
+        if not stream:  # the whole text is answered at the end; a stream has sent its pieces
+            choice.text.append(d.text)
+            if d.logprobs:
+                choice.logprobs += zip(d.token_ids, d.logprobs)
         sub.num_cached_tokens = max(sub.num_cached_tokens, d.num_cached_tokens)
         if sub.queue_time is None and d.queue_time is not None:
             sub.queue_time = d.queue_time
@@ -326,8 +325,10 @@ def _merge(a: Delta, b: Delta) -> Delta:
 async def _sse_events(gen: Generation, shape: ResponseShape) -> AsyncIterator[str]:
     usage = gen.req.include_usage
 
+    header = gen.header(shape.chunk_obj)  # the same id, time and model in every chunk
+
     def event(choices: list[dict], usage_: dict | None = None) -> str:
-        data = {**gen.header(shape.chunk_obj), "choices": choices}
+        data = {**header, "choices": choices}
         if usage:  # OpenAI: null in every chunk but the last
             data["usage"] = usage_
         return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"

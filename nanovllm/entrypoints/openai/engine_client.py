@@ -115,9 +115,7 @@ class EngineClient:
             self._stats.pop(token, None)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            for fd in (self.conn.fileno(), self.proc.sentinel):
-                self._loop.remove_reader(fd)
+        self._detach()
         if self.proc.is_alive():
             self._send(("shutdown",))
         self._outbox.put(None)
@@ -128,6 +126,12 @@ class EngineClient:
             self.proc.join(5)
 
     # ---- the pipe --------------------------------------------------------------------
+
+    def _detach(self) -> None:
+        """Stop watching the pipe and the process on the event loop."""
+        if self._loop is not None and not self._loop.is_closed():
+            for fd in (self.conn.fileno(), self.proc.sentinel):
+                self._loop.remove_reader(fd)
 
     def _check_alive(self) -> None:
         if not self.alive:
@@ -189,10 +193,7 @@ class EngineClient:
         self.error = reason
         level = logging.WARNING if orderly else logging.ERROR
         log.log(level, "%s; /health now fails and new requests get 503", reason)
-        loop = self._loop
-        if loop is not None:
-            loop.remove_reader(self.conn.fileno())
-            loop.remove_reader(self.proc.sentinel)
+        self._detach()
         err = EngineDeadError(reason)
         for fut in [*self._acks.values(), *self._stats.values()]:
             if not fut.done():

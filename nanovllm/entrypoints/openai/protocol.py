@@ -195,14 +195,14 @@ def flatten_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 LogprobEntries = list[tuple[int, dict[int, float]]]  # per token: (sampled id, {id: logprob})
 
 
-class CompletionShape:
-    """/v1/completions: objects, choices and logprobs as OpenAI's legacy completions API."""
+class _Shape:
+    """What /v1/completions and /v1/chat/completions share: a choice is its index, a body
+    (`_body`, per endpoint) and how it ended."""
 
-    obj, chunk_obj = "text_completion", "text_completion"
+    obj = chunk_obj = ""
 
-    def __init__(self, req: CompletionRequest, token_str: Callable[[int], str]) -> None:
+    def __init__(self, req: Any, token_str: Callable[[int], str]) -> None:
         self.req, self.token_str = req, token_str
-        self.offsets: dict[int, int] = defaultdict(int)  # text_offset so far, per choice
 
     def opening(self, num_choices: int) -> list[dict]:
         return []
@@ -216,8 +216,25 @@ class CompletionShape:
         stop: Any,
         delta: bool = False,
     ) -> dict:
+        return {"index": i, **self._body(i, text, entries, delta),
+                "finish_reason": finish, "stop_reason": stop}
+
+    def _body(self, i: int, text: str, entries: LogprobEntries, delta: bool) -> dict:
+        raise NotImplementedError
+
+
+class CompletionShape(_Shape):
+    """/v1/completions: objects, choices and logprobs as OpenAI's legacy completions API."""
+
+    obj, chunk_obj = "text_completion", "text_completion"
+
+    def __init__(self, req: CompletionRequest, token_str: Callable[[int], str]) -> None:
+        super().__init__(req, token_str)
+        self.offsets: dict[int, int] = defaultdict(int)  # text_offset so far, per choice
+
+    def _body(self, i: int, text: str, entries: LogprobEntries, delta: bool) -> dict:
         lp = self._logprobs(i, entries) if self.req.logprobs is not None else None
-        return {"index": i, "text": text, "logprobs": lp, **_ends(finish, stop)}
+        return {"text": text, "logprobs": lp}
 
     def _logprobs(self, i: int, entries: LogprobEntries) -> dict[str, list]:
         # top_logprobs: the top N plus the sampled token, so up to N + 1 entries
@@ -233,40 +250,24 @@ class CompletionShape:
         return dict(zip(keys, (tokens, token_lps, top, offsets)))
 
 
-class ChatShape:
+class ChatShape(_Shape):
     """/v1/chat/completions: a message per choice, or deltas (role first, then content)."""
 
     obj, chunk_obj = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, req: ChatCompletionRequest, token_str: Callable[[int], str]) -> None:
-        self.req, self.token_str = req, token_str
-
     def opening(self, num_choices: int) -> list[dict]:
         role = {"role": "assistant", "content": ""}
         return [
-            {"index": i, "delta": role, "logprobs": None, **_ends(None, None)}
+            {"index": i, "delta": role, "logprobs": None, "finish_reason": None,
+             "stop_reason": None}
             for i in range(num_choices)
         ]
 
-    def choice(
-        self,
-        i: int,
-        text: str,
-        entries: LogprobEntries,
-        finish: str | None,
-        stop: Any,
-        delta: bool = False,
-    ) -> dict:
+    def _body(self, i: int, text: str, entries: LogprobEntries, delta: bool) -> dict:
         lp = self._logprobs(entries) if self.req.logprobs else None
         if delta:
-            return {
-                "index": i,
-                "delta": {"content": text} if text else {},
-                "logprobs": lp,
-                **_ends(finish, stop),
-            }
-        message = {"role": "assistant", "content": text}
-        return {"index": i, "message": message, "logprobs": lp, **_ends(finish, stop)}
+            return {"delta": {"content": text} if text else {}, "logprobs": lp}
+        return {"message": {"role": "assistant", "content": text}, "logprobs": lp}
 
     def _logprobs(self, entries: LogprobEntries) -> dict[str, list]:
         k = self.req.top_logprobs or 0
@@ -283,7 +284,3 @@ class ChatShape:
 
 
 ResponseShape = CompletionShape | ChatShape
-
-
-def _ends(finish: str | None, stop: Any) -> dict[str, Any]:
-    return {"finish_reason": finish, "stop_reason": stop}
