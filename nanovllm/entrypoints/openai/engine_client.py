@@ -23,8 +23,11 @@ class EngineDeadError(NanoVLLMError):
 class EngineClient:
     """Sends requests to the engine process and routes its Deltas to per-request queues.
 
-    Reads happen on the event loop (`add_reader` on the pipe); writes go through one thread,
-    so the loop never blocks on a full pipe while the engine is busy writing to us.
+    The pipe is served by two threads with blocking I/O, one writing and one reading; the
+    reader hands what it reads to the event loop in batches. Nothing registers the pipe with
+    the event loop: uvloop (which uvicorn picks when it is installed) makes a watched fd
+    non-blocking, and a blocking `Connection` on a non-blocking fd fails with EAGAIN as soon
+    as the pipe fills (a burst of long prompts while the engine steps).
     """
 
     def __init__(self, proc: BaseProcess, conn: Connection, info: dict[str, Any]) -> None:
@@ -35,7 +38,7 @@ class EngineClient:
         self._stats: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sender = threading.Thread(target=self._send_loop, name="engine-pipe", daemon=True)
+        self._sender = threading.Thread(target=self._send_loop, name="engine-send", daemon=True)
         self._sender.start()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -66,10 +69,9 @@ class EngineClient:
         return cls(proc, conn, msg[1])
 
     def attach(self) -> None:
-        """Start reading replies on the running event loop."""
-        self._loop = loop = asyncio.get_running_loop()
-        loop.add_reader(self.conn.fileno(), self._on_readable)
-        loop.add_reader(self.proc.sentinel, self._on_exit)
+        """Start routing the engine's replies to the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        threading.Thread(target=self._recv_loop, name="engine-recv", daemon=True).start()
 
     @property
     def alive(self) -> bool:
@@ -115,7 +117,7 @@ class EngineClient:
             self._stats.pop(token, None)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._detach()
+        self._loop = None  # the reader stops handing replies over
         if self.proc.is_alive():
             self._send(("shutdown",))
         self._outbox.put(None)
@@ -126,12 +128,6 @@ class EngineClient:
             self.proc.join(5)
 
     # ---- the pipe --------------------------------------------------------------------
-
-    def _detach(self) -> None:
-        """Stop watching the pipe and the process on the event loop."""
-        if self._loop is not None and not self._loop.is_closed():
-            for fd in (self.conn.fileno(), self.proc.sentinel):
-                self._loop.remove_reader(fd)
 
     def _check_alive(self) -> None:
         if not self.alive:
@@ -146,24 +142,48 @@ class EngineClient:
                 self.conn.send(msg)
             except (OSError, ValueError):  # the engine is gone; the reader reports it
                 return
+            except Exception as e:  # never die silently: every waiter would hang
+                log.exception("cannot send to the engine")
+                self._call(self._fail, f"cannot send to the engine: {type(e).__name__}: {e}")
+                return
 
-    def _on_readable(self) -> None:
+    def _recv_loop(self) -> None:
+        """Read until the engine closes its end; hand over what is ready in one callback, so
+        a fast engine costs the event loop one wake-up per batch, not per message."""
         try:
-            # a bounded batch: a fast engine keeps the pipe readable, and an unbounded loop
-            # here would starve the HTTP side of the event loop (the reader fires again)
-            for _ in range(32):
-                self._dispatch(self.conn.recv())
-                if not self.conn.poll():
-                    break
+            while True:
+                batch = [self.conn.recv()]
+                while len(batch) < 64 and self.conn.poll():
+                    batch.append(self.conn.recv())
+                if not self._call(self._dispatch_all, batch):
+                    return
         except (EOFError, OSError):
-            self._fail("the engine process closed its pipe")
-
-    def _on_exit(self) -> None:
-        self.proc.join(1)  # the sentinel fires as it exits: reap it for the exit code
+            pass
+        self.proc.join(5)  # it closed the pipe: reap it for the exit code
         code = self.proc.exitcode
-        how = f"was killed by signal {-code}" if code and code < 0 else f"exited (code {code})"
+        if code is None:
+            how = "closed its pipe"
+        elif code < 0:
+            how = f"was killed by signal {-code}"
+        else:
+            how = f"exited (code {code})"
         # a stop by Ctrl-C or SIGTERM reaches the engine too: not an error then
-        self._fail(f"the engine process {how}", orderly=code in (0, -2, -15))
+        self._call(self._fail, f"the engine process {how}", code in (0, -2, -15))
+
+    def _call(self, fn, *args) -> bool:
+        """Run fn(*args) on the event loop, from another thread; False once it is gone."""
+        loop = self._loop
+        if loop is None:
+            return False
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed
+            return False
+        return True
+
+    def _dispatch_all(self, msgs: list[tuple]) -> None:
+        for msg in msgs:
+            self._dispatch(msg)
 
     def _dispatch(self, msg: tuple) -> None:
         kind = msg[0]
@@ -193,7 +213,6 @@ class EngineClient:
         self.error = reason
         level = logging.WARNING if orderly else logging.ERROR
         log.log(level, "%s; /health now fails and new requests get 503", reason)
-        self._detach()
         err = EngineDeadError(reason)
         for fut in [*self._acks.values(), *self._stats.values()]:
             if not fut.done():
