@@ -2,6 +2,8 @@
 # One device run of the serving benchmark on the random-weight Qwen3-0.6B: Poisson rates,
 # then the same prompts offline. Usage on the GPU machine (repo root):
 #   bash scripts/gpu_serve.sh [serve.py args...]
+# The waiting queue is bounded far above the workloads (throughput, not admission, is
+# measured); LAUNCH_EXTRA adds `nanovllm serve` options.
 # The GPU image lacks the server's packages: carry them as wheels in .whl/ (git-ignored):
 #   pip download --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
@@ -19,7 +21,8 @@ from offline import QWEN3_CONFIG; from random_model import build_random_model
 print(build_random_model(json.loads(QWEN3_CONFIG.read_text()),
                          Path('/tmp/nanovllm-qwen3-0.6b-random'))[0])")
 timeout "${SERVE_S:-400}" python3 benchmarks/serve.py \
-  --launch "--model $MODEL --max-num-seqs 256 --max-model-len 4096" --offline \
+  --launch "--model $MODEL --max-num-seqs 256 --max-model-len 4096 --max-num-waiting 4096 \
+  ${LAUNCH_EXTRA:-}" --offline \
   --out "$OUT/serve_h200.json" "$@" 2>&1 | tee "$OUT/serve.log" | tail -40
 # the server's own log (start-up, per-request lines, engine lines), also after a timeout
 cp /tmp/nanovllm-serve-*.log "$OUT"/ 2>/dev/null || true

@@ -122,3 +122,50 @@ def test_served_name_keeps_dots_in_directory_names(tmp_path):
     assert served_name(str(tmp_path / "Qwen3-0.6B")) == "Qwen3-0.6B"
     assert served_name(str(tmp_path / "model.Q4_1.gguf")) == "model.Q4_1"
     assert served_name(None) == "SmolLM2-135M-Instruct"
+
+
+def test_outbox_never_blocks_the_engine_and_merges_what_waits():
+    """The front end stops reading: queuing outputs still returns at once, and what piles
+    up arrives later merged per completion, in order, nothing lost."""
+    import multiprocessing
+    import threading
+
+    from nanovllm.engine.engine_proc import Delta, Outbox
+
+    front, back = multiprocessing.Pipe(duplex=True)
+    outbox = Outbox(back)
+    piece = "x" * 1000  # 2 completions x 500 steps x 1 KB: far more than the pipe holds
+
+    def engine():
+        for step in range(500):
+            last = step == 499
+            outbox.put_deltas([
+                Delta("a", i, f"{piece}{step};", [step], None, "length" if last else None,
+                      None, 0, 0.5 if step == 0 else None)
+                for i in range(2)
+            ])
+        outbox.send(("stats", 1, {}))
+
+    t = threading.Thread(target=engine)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "queuing outputs blocked while the front end was not reading"
+    texts, tokens, finish, outs, stats = {0: "", 1: ""}, {0: [], 1: []}, {}, 0, 0
+    while len(finish) < 2 or not stats:  # replies may overtake outputs: they never wait
+        msg = front.recv()
+        if msg[0] == "stats":
+            stats += 1
+            continue
+        outs += 1
+        for d in msg[1]:
+            texts[d.index] += d.text
+            tokens[d.index] += d.token_ids
+            if d.finish_reason:
+                finish[d.index] = d.finish_reason
+            assert d.queue_time == (0.5 if d.token_ids[0] == 0 else None)
+    expected = "".join(f"{piece}{s};" for s in range(500))
+    assert texts == {0: expected, 1: expected}
+    assert tokens == {0: list(range(500)), 1: list(range(500))}
+    assert finish == {0: "length", 1: "length"}
+    assert outs < 100  # merged: one message per 500 steps would be 500
+    outbox.close()

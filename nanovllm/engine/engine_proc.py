@@ -5,6 +5,10 @@ that is not the engine loop: HTTP, JSON, tokenization, chat templates, SSE. Betw
 step the loop drains the pipe (new requests, aborts, stats queries), so an abort frees its
 KV blocks before the next step, and a burst of HTTP work never delays a GPU step.
 
+Replies leave through an `Outbox` thread, so a step never waits for the front end either:
+while the front end is busy, new deltas merge into those not yet sent, one per completion.
+A slow front end then gets fewer, larger deltas instead of slowing the engine down.
+
 Detokenization and stop strings stay here, next to the scheduler: a stop string then ends
 its sequence in the step that completed it (no tokens generated past it, usage exact),
 and its cost per token is small next to a step. What leaves is text deltas.
@@ -20,6 +24,7 @@ import logging
 import math
 import multiprocessing
 import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -57,6 +62,75 @@ class Delta:
     stop_reason: int | str | None
     num_cached_tokens: int
     queue_time: float | None  # seconds waiting before first scheduled (first Delta only)
+
+    def merge(self, later: "Delta") -> "Delta":
+        """This Delta followed by `later` (of the same completion), as one."""
+        lps = self.logprobs
+        if later.logprobs is not None:
+            lps = later.logprobs if lps is None else lps + later.logprobs
+        return Delta(
+            self.request_id, self.index, self.text + later.text,
+            self.token_ids + later.token_ids, lps, later.finish_reason, later.stop_reason,
+            max(self.num_cached_tokens, later.num_cached_tokens),
+            self.queue_time if self.queue_time is not None else later.queue_time,
+        )
+
+
+class Outbox:
+    """The engine's end of the pipe, written by its own thread: `send` and `put_deltas`
+    never block the engine loop. Control messages keep their order; Deltas queued while
+    the previous message is still being written merge per completion, so a front end that
+    falls behind receives fewer, larger Deltas and the engine keeps stepping."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.error: BaseException | None = None  # why the pipe broke (the front end left)
+        self._cv = threading.Condition()
+        self._control: list[tuple] = []
+        self._deltas: dict[tuple[str, int], Delta] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
+        self._thread.start()
+
+    def send(self, msg: tuple) -> None:
+        with self._cv:
+            self._control.append(msg)
+            self._cv.notify()
+
+    def put_deltas(self, deltas: list[Delta]) -> None:
+        with self._cv:
+            pending = self._deltas
+            for d in deltas:
+                key = (d.request_id, d.index)
+                prev = pending.get(key)
+                pending[key] = d if prev is None else prev.merge(d)
+            self._cv.notify()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then stop the thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._control or self._deltas or self._closed):
+                    self._cv.wait()
+                control, self._control = self._control, []
+                deltas, self._deltas = self._deltas, {}
+                last = self._closed
+            try:
+                for msg in control:  # replies before outputs: "accepted" precedes its Deltas
+                    self.conn.send(msg)
+                if deltas:
+                    self.conn.send(("out", list(deltas.values())))
+            except (OSError, ValueError) as e:
+                self.error = e
+                return
+            if last and not (self._control or self._deltas):
+                return
 
 
 def start_engine(
@@ -134,6 +208,7 @@ class EngineLoop:
     ) -> None:
         self.engine = engine
         self.conn = conn
+        self.outbox = Outbox(conn)
         self.max_num_waiting = max_num_waiting
         self.log_interval = log_interval
         self.deadlines: dict[str, float] = {}
@@ -149,8 +224,16 @@ class EngineLoop:
     # ---- the loop ---------------------------------------------------------------------
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.outbox.close()
+
+    def _run(self) -> None:
         engine = self.engine
         while self.running:
+            if self.outbox.error is not None:
+                raise BrokenPipeError(f"the front end is gone: {self.outbox.error}")
             busy = engine.has_unfinished_requests()
             # between steps, take everything that arrived; when idle, sleep on the pipe
             timeout = 0.0 if busy else self._idle_timeout()
@@ -178,7 +261,7 @@ class EngineLoop:
         elif kind == "abort":
             self._finish(msg[1], FinishReason.ABORT, notify=False)
         elif kind == "stats":
-            self.conn.send(("stats", msg[1], self.stats()))
+            self.outbox.send(("stats", msg[1], self.stats()))
         elif kind == "shutdown":
             self.running = False
 
@@ -187,7 +270,7 @@ class EngineLoop:
         waiting = len(engine.scheduler.waiting)
         if self.max_num_waiting is not None and waiting >= self.max_num_waiting:
             retry = self._retry_after(waiting)
-            self.conn.send(("rejected", req.request_id, 429,
+            self.outbox.send(("rejected", req.request_id, 429,
                             f"the server is at capacity ({waiting} requests waiting, "
                             f"--max-num-waiting {self.max_num_waiting}); retry in {retry} s",
                             retry))
@@ -196,7 +279,7 @@ class EngineLoop:
             engine.add_request(req.prompt_token_ids, req.params, req.request_id,
                                stream=req.stream, priority=req.priority)
         except NanoVLLMError as e:
-            self.conn.send(("rejected", req.request_id, 400, str(e), None))
+            self.outbox.send(("rejected", req.request_id, 400, str(e), None))
             return
         self.prompt_tokens += len(req.prompt_token_ids)
         if req.timeout is not None:
@@ -204,7 +287,7 @@ class EngineLoop:
         stops = req.params.stop_list
         if req.stream and stops:
             self.holdback[req.request_id] = max(len(s) for s in stops) - 1
-        self.conn.send(("accepted", req.request_id))
+        self.outbox.send(("accepted", req.request_id))
 
     def _retry_after(self, waiting: int) -> int:
         """Seconds until the waiting queue has likely drained, from the rate requests
@@ -271,7 +354,7 @@ class EngineLoop:
             if out.finished:
                 self._forget(out)
         if deltas:
-            self.conn.send(("out", deltas))
+            self.outbox.put_deltas(deltas)
 
     def _forget(self, out: RequestOutput) -> None:
         self.holdback.pop(out.request_id, None)

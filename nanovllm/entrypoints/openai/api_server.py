@@ -7,7 +7,6 @@ process owns scheduling, the model, detokenization and stop strings, and sends t
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -204,7 +203,7 @@ class Generation:
                 i = sub.prompt_index * self.n + d.index
                 self._observe(sub, self.choices[i], d)
                 left -= d.finish_reason is not None
-                merged[i] = _merge(merged[i], d) if i in merged else d
+                merged[i] = merged[i].merge(d) if i in merged else d
             yield list(merged.items())
 
     async def collect(self) -> None:
@@ -311,15 +310,6 @@ async def _generate(request: Request, gen: Generation, shape: ResponseShape) -> 
         for i, c in enumerate(gen.choices)
     ]
     return JSONResponse({**gen.header(shape.obj), "choices": choices, "usage": gen.usage()})
-
-
-def _merge(a: Delta, b: Delta) -> Delta:
-    """Two successive Deltas of one completion as one."""
-    lps = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (
-        b.logprobs or [])
-    queue_time = a.queue_time if a.queue_time is not None else b.queue_time
-    return dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
-                               logprobs=lps, queue_time=queue_time)
 
 
 async def _sse_events(gen: Generation, shape: ResponseShape) -> AsyncIterator[str]:
