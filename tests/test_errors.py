@@ -82,6 +82,8 @@ def test_model_path_errors(tmp_path, tiny_llama):
         LLM(str(tiny_llama), device="cpu", max_num_sequences=3)
     with pytest.raises(ConfigError, match="scheduling_policy"):
         LLM(str(tiny_llama), device="cpu", scheduling_policy="lifo")
+    with pytest.raises(ConfigError, match=r"admission_batch=9 is invalid.*\[1, max_num_seqs=8\]"):
+        LLM(str(tiny_llama), device="cpu", max_num_seqs=8, admission_batch=9)
 
 
 def test_cli_bad_input_exits_nonzero_with_one_line(tiny_llama):

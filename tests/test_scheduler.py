@@ -26,6 +26,8 @@ def make_scheduler(
     max_num_batched_tokens: int = 16,
     max_model_len: int = 64,
     prefix_caching: bool = True,
+    admission_batch: int = 1,
+    admission_max_delay: int = 16,
 ) -> Scheduler:
     config = EngineConfig(
         max_num_batched_tokens=max_num_batched_tokens,
@@ -33,6 +35,8 @@ def make_scheduler(
         block_size=block_size,
         num_kv_blocks=num_blocks,
         scheduling_policy=policy,
+        admission_batch=admission_batch,
+        admission_max_delay=admission_max_delay,
     )
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     return Scheduler(config, bm, max_model_len, eos_token_ids={EOS})
@@ -363,6 +367,8 @@ def test_random_mix_of_requests_returns_every_block(data):
     prefix_caching = data.draw(st.booleans(), label="prefix caching")
     overlap = data.draw(st.booleans(), label="overlap")
     priorities = data.draw(st.booleans(), label="priorities")
+    admission_batch = data.draw(st.integers(1, max_num_seqs), label="admission_batch")
+    admission_delay = data.draw(st.integers(0, 3), label="admission_max_delay")
     lengths = st.integers(1, max_len - 1)
     requests = data.draw(
         st.lists(  # (steps after the previous arrival, prompt length, shared prefix, max_tokens)
@@ -382,6 +388,8 @@ def test_random_mix_of_requests_returns_every_block(data):
         max_num_batched_tokens=budget,
         max_model_len=max_len,
         prefix_caching=prefix_caching,
+        admission_batch=admission_batch,
+        admission_max_delay=admission_delay,
     )
     scripts: dict[int, list[int]] = {}  # what the fake model samples, per request
     eng = FakeEngine(sched, lambda seq: scripts[seq.seq_id][seq.num_output_tokens], overlap)
@@ -429,6 +437,37 @@ def test_random_mix_of_requests_returns_every_block(data):
     bm = sched.block_manager
     bm.check_invariants([])
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_admission_batch_admits_prompts_together_once_rows_are_free():
+    sched = make_scheduler("fair", max_num_seqs=4, max_num_batched_tokens=32,
+                           admission_batch=2, admission_max_delay=100)
+    eng = FakeEngine(sched)
+    for n in (2, 4, 30, 30):  # a ends first, b two steps later, c and d keep running
+        eng.add(prompt(3), max_tokens=n)
+    e, f = eng.add(prompt(3, 300), max_tokens=1), eng.add(prompt(3, 400), max_tokens=1)
+    assert eng.step() == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    assert eng.step() == [(0, 1), (1, 1), (2, 1), (3, 1)]  # a's last token
+    # one row free: e and f wait (decode-only steps) until b's end frees a second one
+    assert eng.step() == [(1, 1), (2, 1), (3, 1)]
+    assert eng.step() == [(1, 1), (2, 1), (3, 1)]  # b's last token
+    assert eng.step() == [(2, 1), (3, 1), (e.seq_id, 3), (f.seq_id, 3)]
+    eng.run()
+
+
+def test_admission_batch_holds_a_prompt_at_most_max_delay_steps():
+    sched = make_scheduler("fair", max_num_seqs=4, max_num_batched_tokens=32,
+                           admission_batch=3, admission_max_delay=2)
+    eng = FakeEngine(sched)
+    for n in (2, 40, 40, 40):
+        eng.add(prompt(3), max_tokens=n)
+    late = [eng.add(prompt(3, 300 + 50 * i), max_tokens=1) for i in range(3)]
+    eng.step()  # prefill
+    eng.step()  # a's last token
+    steps = [eng.step() for _ in range(3)]
+    assert [len(r) for r in steps] == [3, 3, 4]  # held twice, then the one free row is used
+    assert steps[2][-1] == (late[0].seq_id, 3)
+    eng.run()
 
 
 def test_priority_orders_waiting_and_preempts_worse_running():

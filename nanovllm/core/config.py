@@ -18,6 +18,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fair"
+    # fair: admit new prompts only once this many rows are free (or as many as are waiting),
+    # so one prefill+decode step admits several; such steps run eagerly, decode-only ones as
+    # CUDA graphs. 1 admits at once. Never held back longer than admission_max_delay steps.
+    admission_batch: int = 1
+    admission_max_delay: int = 16
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     enforce_eager: bool = False  # no CUDA graphs
@@ -35,6 +40,10 @@ class EngineConfig:
             bad("scheduling_policy", f"choose one of {', '.join(POLICIES)}")
         if self.max_num_seqs < 1:
             bad("max_num_seqs", "use an integer >= 1")
+        if not 1 <= self.admission_batch <= self.max_num_seqs:
+            bad("admission_batch", f"use an integer in [1, max_num_seqs={self.max_num_seqs}]")
+        if self.admission_max_delay < 0:
+            bad("admission_max_delay", "use a number of steps >= 0")
         if self.max_num_batched_tokens < self.max_num_seqs:
             bad(
                 "max_num_batched_tokens",

@@ -50,6 +50,12 @@ class Scheduler:
     Under `fair`, victims of KV pressure are taken from the worst priority first (then the
     tail), and a waiting sequence that cannot be admitted preempts running sequences of
     strictly worse priority; `prefill_first` keeps the seed's tail-only preemption.
+
+    Admission batching (`fair`, `admission_batch` > 1): while every running sequence is
+    decoding and fewer rows are free than `admission_batch` (or than there are waiting
+    prompts), new prompts wait, up to `admission_max_delay` steps. A step that carries any
+    prefill runs eagerly on the GPU, one of decodes only as a CUDA graph; admitting one
+    prompt per freed row would make nearly every step of a long queue a prefill step.
     """
 
     def __init__(
@@ -62,6 +68,9 @@ class Scheduler:
         self.policy = config.scheduling_policy
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.admission_batch = config.admission_batch
+        self.admission_max_delay = config.admission_max_delay
+        self._held_steps = 0  # consecutive steps new prompts were held back
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = block_manager
@@ -224,6 +233,8 @@ class Scheduler:
                 budget -= n
                 scheduled.append(seq)
 
+        if self.waiting and not preempted and self._hold_admission(scheduled):
+            return ScheduledBatch(scheduled)
         # then new work, in priority and arrival order, while tokens, rows and blocks remain
         while self.waiting and budget and not preempted:
             seq = self.waiting[0]
@@ -250,6 +261,22 @@ class Scheduler:
             budget -= n
             scheduled.append(seq)
         return ScheduledBatch(scheduled)
+
+    def _hold_admission(self, scheduled: list[Sequence]) -> bool:
+        """Whether this decode-only step should leave the waiting prompts for a later one
+        (see the class docstring). Never when nothing runs, when the step carries prefill
+        already, when no row is free (priority preemption decides then), or when the head
+        of the queue outranks a running sequence."""
+        free = self.max_num_seqs - len(self.running)
+        hold = (
+            self.admission_batch > 1
+            and 0 < free < min(self.admission_batch, len(self.waiting))
+            and self._held_steps < self.admission_max_delay
+            and all(s.num_scheduled_tokens == 1 for s in scheduled)
+            and self.waiting[0].priority >= max(s.priority for s in self.running)
+        )
+        self._held_steps = self._held_steps + 1 if hold else 0
+        return hold
 
     def _preempt_for(self, seq: Sequence, scheduled: list[Sequence]) -> bool:
         """Make room for waiting `seq` by preempting one running sequence of strictly worse

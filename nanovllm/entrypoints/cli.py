@@ -23,6 +23,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--kv-cache-gib", type=float, default=None)
     g.add_argument("--scheduling-policy", choices=["fair", "prefill_first"], default=None)
+    g.add_argument(
+        "--admission-batch", type=int, default=None,
+        help="fair policy: admit new prompts once this many rows are free (default 1: at once)",
+    )
+    g.add_argument(
+        "--admission-max-delay", type=int, default=None,
+        help="steps a prompt may be held back for --admission-batch (default 16)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument(
         "--overlap", choices=["auto", "on", "off"], default="auto",
@@ -58,6 +66,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "block_size",
         "kv_cache_gib",
         "scheduling_policy",
+        "admission_batch",
+        "admission_max_delay",
     ):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
