@@ -91,11 +91,13 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--vocab-limit", type=int, default=32000, help="prompt ids are below it")
     ap.add_argument("--admission-batch", type=int, default=1, help="engine option (both sides)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads per engine")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     kwargs = dict(device=args.device, max_num_seqs=args.max_num_seqs,
-                  max_model_len=args.max_model_len, admission_batch=args.admission_batch)
+                  max_model_len=args.max_model_len, admission_batch=args.admission_batch,
+                  num_threads=args.threads)
     reqs = make_requests(args)
     print(f"{len(reqs)} requests, {sum(len(i) for i, _ in reqs):,} prompt tokens, "
           f"{sum(n for _, n in reqs):,} output tokens; engine {kwargs}")
