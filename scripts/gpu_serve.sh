@@ -3,7 +3,9 @@
 # then the same prompts offline. Usage on the GPU machine (repo root):
 #   bash scripts/gpu_serve.sh [serve.py args...]
 # The waiting queue is bounded far above the workloads (throughput, not admission, is
-# measured); LAUNCH_EXTRA adds `nanovllm serve` options.
+# measured); LAUNCH_EXTRA adds `nanovllm serve` options. ENGINE_LOOP="--num-prompts 1024
+# --rounds 2" first runs benchmarks/engine_loop.py (no HTTP) on the same model; SKIP_SERVE=1
+# stops after it.
 # The GPU image lacks the server's packages: carry them as wheels in .whl/ (git-ignored):
 #   pip download --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
@@ -20,6 +22,13 @@ import json; from pathlib import Path
 from offline import QWEN3_CONFIG; from random_model import build_random_model
 print(build_random_model(json.loads(QWEN3_CONFIG.read_text()),
                          Path('/tmp/nanovllm-qwen3-0.6b-random'))[0])")
+if [ -n "$ENGINE_LOOP" ]; then
+  # the engine process without HTTP vs LLM.generate; ENGINE_LOOP holds engine_loop.py args
+  # shellcheck disable=SC2086
+  timeout "${ENGINE_LOOP_S:-300}" python3 benchmarks/engine_loop.py --model "$MODEL" \
+    --vocab-limit 150000 $ENGINE_LOOP 2>&1 | grep -v " INFO " | tee "$OUT/engine_loop.log"
+fi
+[ -n "$SKIP_SERVE" ] && exit 0
 timeout "${SERVE_S:-400}" python3 benchmarks/serve.py \
   --launch "--model $MODEL --max-num-seqs 256 --max-model-len 4096 --max-num-waiting 4096 \
   ${LAUNCH_EXTRA:-}" --offline \
