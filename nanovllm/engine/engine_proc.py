@@ -250,9 +250,9 @@ class EngineLoop:
         if self.max_num_waiting is not None and waiting >= self.max_num_waiting:
             retry = self._retry_after(waiting)
             self.outbox.send(("rejected", req.request_id, 429,
-                            f"the server is at capacity ({waiting} requests waiting, "
-                            f"--max-num-waiting {self.max_num_waiting}); retry in {retry} s",
-                            retry))
+                              f"the server is at capacity ({waiting} requests waiting, "
+                              f"--max-num-waiting {self.max_num_waiting}); retry in {retry} s",
+                              retry))
             return
         try:  # the engine checks the ids (vocabulary, empty, longer than the context)
             engine.add_request(req.prompt_token_ids, req.params, req.request_id,
