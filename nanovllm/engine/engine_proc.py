@@ -35,6 +35,7 @@ from pathlib import Path
 from nanovllm.core.errors import NanoVLLMError
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.core.sequence import FinishReason
+from nanovllm.engine import stack_sampler
 from nanovllm.engine.outputs import RequestOutput
 
 log = logging.getLogger("nanovllm.engine")
@@ -158,10 +159,14 @@ def run_engine_loop(
         "eos_token_ids": sorted(engine.eos_token_ids),
         "pid": os.getpid(),
     }))
+    sampler = stack_sampler.from_env(".engine")  # NANOVLLM_SAMPLE_STACKS: where time goes
     try:
         loop.run()
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass  # the front end is gone: nothing left to serve
+    finally:
+        if sampler is not None:
+            sampler.stop()
 
 
 def served_name(model: str | None) -> str:

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nanovllm.core.config import EngineConfig
 from nanovllm.core.errors import InvalidRequestError
 from nanovllm.core.sampling_params import SamplingParams
+from nanovllm.engine import stack_sampler
 from nanovllm.engine.engine_proc import AddRequest, Delta
 from nanovllm.engine.tokenizer import Tokenizer
 from nanovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError
@@ -524,6 +525,9 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
             args.port,
             " (API key required)" if config.api_key else "",
         )
+        # NANOVLLM_SAMPLE_STACKS: where time goes (the report is rewritten as it runs:
+        # uvicorn ends the process by re-raising SIGTERM, past any `finally`)
+        stack_sampler.from_env(".front")
         # per-request log lines replace uvicorn's access log
         uvicorn.run(
             app, host=args.host, port=args.port, access_log=False, timeout_graceful_shutdown=5
