@@ -15,6 +15,7 @@ every request ignores EOS, so both sides generate the same number of tokens.
 import argparse
 import gc
 import random
+import threading
 import time
 
 import torch
@@ -44,10 +45,15 @@ def run_engine_proc(args, kwargs: dict, reqs) -> float:
         kind, info = conn.recv()
         assert kind == "ready", info
         for warm in (True, False):  # a short pass first, as serve.py's warm-up
+
+            def send_all(warm=warm):  # from a thread, as the front end reads while it sends
+                for i, (ids, n) in enumerate(reqs):
+                    p = params(4 if warm else n, args.temperature)
+                    conn.send(("add", AddRequest(f"{'w' if warm else 'r'}{i}", ids, p)))
+
             start = time.perf_counter()
-            for i, (ids, n) in enumerate(reqs):
-                p = params(4 if warm else n, args.temperature)
-                conn.send(("add", AddRequest(f"{'w' if warm else 'r'}{i}", ids, p)))
+            sender = threading.Thread(target=send_all)
+            sender.start()
             left, tokens = len(reqs), 0
             while left:
                 msg = conn.recv()
@@ -56,6 +62,7 @@ def run_engine_proc(args, kwargs: dict, reqs) -> float:
                         tokens += len(d.token_ids)
                         left -= d.finish_reason is not None
             elapsed = time.perf_counter() - start
+            sender.join()
         conn.send(("shutdown",))
         proc.join(30)
         return tokens / elapsed

@@ -175,3 +175,22 @@ def test_outbox_never_blocks_the_engine_and_merges_what_waits():
     assert tokens == {0: list(range(500)), 1: list(range(500))}
     assert finish == {0: "length", 1: "length"}
     assert len(outs) < 500  # merged: one message per step would be 500
+
+
+def test_engine_keeps_reading_while_its_replies_wait(engine):
+    """A front end that writes a long burst before reading anything: the engine's replies
+    wait for room instead of blocking it, so it keeps reading and neither side deadlocks."""
+    import threading
+
+    conn, _ = engine
+    n = 3000  # ~1.5 MB of stats replies, far more than the pipe holds
+    sender = threading.Thread(target=lambda: [conn.send(("stats", i)) for i in range(n)])
+    sender.start()
+    sender.join(30)
+    assert not sender.is_alive(), "the engine stopped reading while its replies were unread"
+    tokens = []
+    while len(tokens) < n:
+        msg = conn.recv()
+        if msg[0] == "stats":
+            tokens.append(msg[1])
+    assert tokens == list(range(n))  # every reply, in order

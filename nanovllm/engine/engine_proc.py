@@ -79,24 +79,29 @@ class Delta:
 
 
 class Outbox:
-    """The engine's end of the pipe. Replies (`send`) go at once; Deltas go only while the
-    pipe has room, checked without blocking. While the front end lags, new Deltas merge
-    into the unsent ones, one per completion, so it later receives fewer, larger Deltas
-    and the engine never waits on it. Everything runs on the engine's own thread: a writer
-    thread was measured to cost ~5% of a host-bound engine's throughput in GIL hand-offs."""
+    """The engine's end of the pipe, which never makes a step wait for the front end.
+
+    Messages are written only while `poll()` says the pipe has room (a Unix socket says so
+    once half its buffer is free); the rest wait in order for the next `flush`. Replies
+    go first, so "accepted" precedes the Deltas of its request. While the front end lags,
+    new Deltas merge into the unsent ones, one per completion: it later receives fewer,
+    larger Deltas. Everything runs on the engine's thread: a writer thread was measured to
+    cost ~5% of a host-bound engine's throughput in GIL hand-offs."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        self._replies: deque[tuple] = deque()
         self._deltas: dict[tuple[str, int], Delta] = {}
         self._poll = select.poll()
         self._poll.register(conn.fileno(), select.POLLOUT)
 
     @property
     def pending(self) -> bool:
-        return bool(self._deltas)
+        return bool(self._replies or self._deltas)
 
     def send(self, msg: tuple) -> None:
-        self.conn.send(msg)
+        self._replies.append(msg)
+        self.flush()
 
     def put_deltas(self, deltas: list[Delta]) -> None:
         pending = self._deltas
@@ -107,12 +112,15 @@ class Outbox:
         self.flush()
 
     def flush(self, timeout: float = 0.0) -> bool:
-        """Send the unsent Deltas if the pipe has room within `timeout` seconds (a Unix
-        socket reports room once half its buffer is free: more than one step's Deltas)."""
-        if self._deltas and self._poll.poll(timeout * 1000):
-            deltas, self._deltas = self._deltas, {}
-            self.conn.send(("out", list(deltas.values())))
-        return not self._deltas
+        """Write what waits, one message at a time while the pipe has room (waiting up to
+        `timeout` seconds for it); True once nothing is left."""
+        while self.pending and self._poll.poll(timeout * 1000):
+            if self._replies:
+                self.conn.send(self._replies.popleft())
+            else:
+                deltas, self._deltas = self._deltas, {}
+                self.conn.send(("out", list(deltas.values())))
+        return not self.pending
 
 
 def start_engine(
