@@ -153,16 +153,23 @@ def test_outbox_never_blocks_the_engine_and_merges_what_waits():
 
     texts, tokens, finish, outs = {0: "", 1: ""}, {0: [], 1: []}, {}, []
 
-    def front_end():  # now the front end reads again
-        while (msg := front.recv())[0] != "stats":
+    def front_end():  # now the front end reads again, until both ended and the reply came
+        ended, replied = 0, False
+        while ended < 2 or not replied:
+            msg = front.recv()
+            if msg[0] == "stats":
+                replied = True  # replies overtake waiting Deltas
+                continue
             outs.append(msg)
+            ended += sum(d.finish_reason is not None for d in msg[1])
 
     reader = threading.Thread(target=front_end)
     reader.start()
+    outbox.send(("stats", 1, {}))
     while not outbox.flush(timeout=1.0):
         pass
-    outbox.send(("stats", 1, {}))
     reader.join(10)
+    assert not reader.is_alive()
     for msg in outs:
         for d in msg[1]:
             texts[d.index] += d.text
