@@ -10,13 +10,7 @@
 #   pip download --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
 #     gguf==0.19.0 fastapi uvicorn prometheus_client httpx
-set -o pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
+source scripts/device_env.sh
 MODEL=$(cd benchmarks && python3 -c "
 import json; from pathlib import Path
 from offline import QWEN3_CONFIG; from random_model import build_random_model
