@@ -17,11 +17,14 @@ import gc
 import random
 import threading
 import time
+from pathlib import Path
 
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.engine_proc import AddRequest, start_engine
+from nanovllm.engine.tokenizer import Tokenizer
 
 
 def make_requests(args) -> list[tuple[list[int], int]]:
@@ -39,8 +42,9 @@ def params(n: int, temperature: float) -> SamplingParams:
     return SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n)
 
 
-def run_engine_proc(args, kwargs: dict, reqs) -> float:
+def run_engine_proc(args, kwargs: dict, reqs, stream: bool = True) -> float:
     proc, conn = start_engine(args.model, kwargs, None)
+    tok = Tokenizer.from_pretrained_dir(Path(args.model))
     try:
         kind, info = conn.recv()
         assert kind == "ready", info
@@ -49,16 +53,23 @@ def run_engine_proc(args, kwargs: dict, reqs) -> float:
             def send_all(warm=warm):  # from a thread, as the front end reads while it sends
                 for i, (ids, n) in enumerate(reqs):
                     p = params(4 if warm else n, args.temperature)
-                    conn.send(("add", AddRequest(f"{'w' if warm else 'r'}{i}", ids, p)))
+                    rid = f"{'w' if warm else 'r'}{i}"
+                    # as the front end sends a stream without stop strings: it decodes
+                    conn.send(("add", AddRequest(rid, ids, p, stream=stream, detokenize=False)))
 
             start = time.perf_counter()
             sender = threading.Thread(target=send_all)
             sender.start()
             left, tokens = len(reqs), 0
+            detoks: dict[str, IncrementalDetokenizer] = {}
             while left:
                 msg = conn.recv()
                 if msg[0] == "out":
                     for d in msg[1]:
+                        detok = detoks.get(d.request_id)
+                        if detok is None:
+                            detok = detoks[d.request_id] = IncrementalDetokenizer(tok, [])
+                        detok.step(d.token_ids)
                         tokens += len(d.token_ids)
                         left -= d.finish_reason is not None
             elapsed = time.perf_counter() - start
@@ -99,6 +110,10 @@ def main() -> None:
     ap.add_argument("--vocab-limit", type=int, default=32000, help="prompt ids are below it")
     ap.add_argument("--admission-batch", type=int, default=1, help="engine option (both sides)")
     ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads per engine")
+    ap.add_argument("--modes", default="stream,offline",
+                    help="what each round runs, in order: stream (the engine process, as the "
+                    "server uses it), final (the engine process, one Delta per completion at "
+                    "its end: no per-step streaming work), offline (LLM.generate)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -108,15 +123,22 @@ def main() -> None:
     reqs = make_requests(args)
     print(f"{len(reqs)} requests, {sum(len(i) for i, _ in reqs):,} prompt tokens, "
           f"{sum(n for _, n in reqs):,} output tokens; engine {kwargs}")
-    results: dict[str, list[float]] = {"engine process": [], "LLM.generate": []}
+    modes = {
+        "stream": ("engine process", lambda: run_engine_proc(args, kwargs, reqs)),
+        "final": ("engine, no stream", lambda: run_engine_proc(args, kwargs, reqs, False)),
+        "offline": ("LLM.generate", lambda: run_offline(args, kwargs, reqs)),
+    }
+    chosen = [modes[m.strip()] for m in args.modes.split(",")]
+    results: dict[str, list[float]] = {name: [] for name, _ in chosen}
     for r in range(args.rounds):
-        for name, fn in (("engine process", run_engine_proc), ("LLM.generate", run_offline)):
-            results[name].append(fn(args, kwargs, reqs))
-            print(f"round {r + 1}: {name:<15} {results[name][-1]:10,.1f} output tok/s", flush=True)
+        for name, fn in chosen:
+            results[name].append(fn())
+            print(f"round {r + 1}: {name:<17} {results[name][-1]:10,.1f} output tok/s", flush=True)
     best = {k: max(v) for k, v in results.items()}
-    print(f"best: engine process {best['engine process']:,.1f}, LLM.generate "
-          f"{best['LLM.generate']:,.1f} tok/s; ratio "
-          f"{best['engine process'] / best['LLM.generate']:.3f}")
+    base = best.get("LLM.generate")
+    print("best: " + ", ".join(
+        f"{k} {v:,.1f} tok/s" + (f" ({v / base:.3f} of offline)" if base and k != "LLM.generate"
+                                 else "") for k, v in best.items()))
 
 
 if __name__ == "__main__":

@@ -68,12 +68,17 @@ def test_streamed_deltas_equal_offline_text_and_hold_back_stop_prefixes(engine, 
     conn.send(("add", AddRequest("stop", prompts[0], SamplingParams(
         temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]), stream=True)))
     deltas, replies = collect(conn, ["s0", "s1", "s2", "stop"])
+    # a stream the front end decodes itself: ids only (the engine does not decode it)
+    conn.send(("add", AddRequest("ids", prompts[1], params, detokenize=False)))
+    deltas |= collect(conn, ["ids"])[0]
     assert all(r[0] == "accepted" for r in replies.values())
     for i, out in enumerate(offline):
         ds = deltas[f"s{i}"]
         assert "".join(d.text for d in ds) == out.text
         assert sum(len(d.token_ids) for d in ds) == len(out.token_ids) == 12
         assert ds[-1].finish_reason == "length" and ds[0].queue_time is not None
+    assert [t for d in deltas["ids"] for t in d.token_ids] == offline[1].token_ids
+    assert all(d.text == "" for d in deltas["ids"])
     stopped = deltas["stop"]
     text = "".join(d.text for d in stopped)
     assert stopped[-1].finish_reason == "stop" and stopped[-1].stop_reason == stop

@@ -4,9 +4,7 @@ from dataclasses import dataclass, field
 
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.config import EngineConfig
-from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
-
-PLACEHOLDER = -1  # a sampled token still on the device
+from nanovllm.core.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 
 @dataclass

@@ -2,6 +2,8 @@ from enum import Enum, StrEnum, auto
 
 from nanovllm.core.sampling_params import SamplingParams
 
+PLACEHOLDER = -1  # a sampled token still on the device (CPU/GPU overlap)
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -71,6 +73,18 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_resolved_tokens(self) -> int:
+        """Tokens known on the host: all but a placeholder whose token is still on the
+        device (with overlap, a launched step's token reaches the host a step later)."""
+        n = len(self.token_ids)
+        return n - 1 if self.token_ids[n - 1] == PLACEHOLDER else n
+
+    @property
+    def resolved_output_token_ids(self) -> list[int]:
+        """The output tokens known on the host: what outputs may show."""
+        return self.token_ids[self.num_prompt_tokens : self.num_resolved_tokens]
 
     @property
     def last_token(self) -> int:

@@ -9,7 +9,7 @@ from nanovllm.core.config import EngineConfig
 from nanovllm.core.errors import ConfigError, InvalidRequestError
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
-from nanovllm.core.sequence import FinishReason, Sequence
+from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.outputs import CompletionOutput, RequestOutput
 from nanovllm.engine.tokenizer import Tokenizer
@@ -31,10 +31,27 @@ class Request:
     texts: list[str]
     arrival_time: float
     stream: bool = False
+    delta: bool = False  # outputs carry only what is new since the request's previous one
+    detokenize: bool = True  # False: no text unless stop strings need it (the caller decodes)
+    holdback: int = 0  # delta streams: chars withheld, as they may begin a stop string
+    sent: list["_Sent"] = dataclasses.field(default_factory=list)  # delta: per completion
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:  # a loop, not all(): this runs for every row on every step
+            if s.status is not SequenceStatus.FINISHED:
+                return False
+        return True
+
+
+class _Sent:
+    """What a delta request's completion has reported so far."""
+
+    __slots__ = ("tokens", "chars", "logprobs", "done")
+
+    def __init__(self) -> None:
+        self.tokens = self.chars = self.logprobs = 0
+        self.done = False
 
 
 class LLMEngine:
@@ -136,12 +153,20 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         stream: bool = False,
         priority: int = 0,
+        delta: bool = False,
+        detokenize: bool = True,
     ) -> str:
         """Queue a request; raises InvalidRequestError before anything is queued.
 
         With `stream`, `step()` reports the request after every token (text included);
         otherwise only once it has finished, which saves detokenizing every step.
         `priority`: lower is served first and may preempt worse running requests.
+        `delta`: each output holds only the completions that moved, each with only its new
+        token ids, logprobs and text; while streaming, text that may begin a stop string is
+        held back until it cannot (so no piece is ever taken back). Serving uses it: no
+        copies of whole completions per token.
+        `detokenize=False`: outputs carry token ids and no text, except that a request with
+        stop strings is still decoded to find them; for callers that decode themselves.
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -172,7 +197,13 @@ class LLMEngine:
             [""] * params.n,
             now,
             stream,
+            delta,
+            detokenize or bool(params.stop_list),  # stop strings are found in the text
         )
+        if delta:
+            req.sent = [_Sent() for _ in seqs]
+            if stream and params.stop_list:
+                req.holdback = max(len(s) for s in params.stop_list) - 1
         self.requests[request_id] = req
         for i, seq in enumerate(seqs):
             self._owner[seq.seq_id] = (req, i)
@@ -194,7 +225,7 @@ class LLMEngine:
         for i, seq in enumerate(req.seqs):
             if not seq.is_finished:
                 self.scheduler.finish(seq, reason)
-                text = self._decode_output(seq)
+                text = self._decode_output(seq) if req.detokenize else ""
                 if req.stream:  # what streaming already showed may end before a held-back tail
                     text = text if text.startswith(req.texts[i]) else req.texts[i]
                 req.texts[i] = text
@@ -276,9 +307,9 @@ class LLMEngine:
             req, i = owner
             if logprobs.get(seq.seq_id) is not None:
                 seq.logprobs.append(logprobs[seq.seq_id])
-            if req.stream or seq.sampling_params.stop_list:
+            if seq.sampling_params.stop_list or (req.stream and req.detokenize):
                 self._update_text(req, i, seq)  # incremental: streaming, or stop strings
-            elif seq.is_finished:
+            elif seq.is_finished and req.detokenize:
                 req.texts[i] = self._decode_output(seq)
             if req.stream or seq.is_finished:
                 touched[req.request_id] = req
@@ -313,15 +344,19 @@ class LLMEngine:
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)
 
     def _make_output(self, req: Request) -> RequestOutput:
-        outs = []
-        for i, seq in enumerate(req.seqs):
-            reason = seq.finish_reason.value if seq.finish_reason else None
-            lps = seq.logprobs if seq.sampling_params.logprobs is not None else None
-            outs.append(
-                CompletionOutput(
-                    i, req.texts[i], seq.output_token_ids, reason, seq.stop_reason, lps
+        if req.delta:
+            outs = self._delta_outputs(req)
+        else:
+            outs = []
+            for i, seq in enumerate(req.seqs):
+                reason = seq.finish_reason.value if seq.finish_reason else None
+                lps = seq.logprobs if seq.sampling_params.logprobs is not None else None
+                outs.append(
+                    CompletionOutput(
+                        i, req.texts[i], seq.resolved_output_token_ids, reason, seq.stop_reason,
+                        lps,
+                    )
                 )
-            )
         first = req.seqs[0]
         queued = None
         if first.first_scheduled_time is not None:
@@ -330,3 +365,29 @@ class LLMEngine:
             req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
             first.num_cached_prefix_tokens, queued,
         )
+
+    def _delta_outputs(self, req: Request) -> list[CompletionOutput]:
+        """A delta request's completions that moved since its previous output, each with
+        only what is new (see add_request)."""
+        outs = []
+        for i, seq in enumerate(req.seqs):
+            sent = req.sent[i]
+            if sent.done:
+                continue
+            finished = seq.is_finished
+            start, stop = seq.num_prompt_tokens + sent.tokens, seq.num_resolved_tokens
+            if start == stop and not finished:
+                continue  # this completion did not move
+            text = req.texts[i]
+            end = len(text) if finished else max(sent.chars, len(text) - req.holdback)
+            lps = None
+            if seq.sampling_params.logprobs is not None:
+                lps = seq.logprobs[sent.logprobs :]
+                sent.logprobs = len(seq.logprobs)
+            reason = seq.finish_reason.value if seq.finish_reason else None
+            new_ids = seq.token_ids[start:stop]
+            outs.append(
+                CompletionOutput(i, text[sent.chars : end], new_ids, reason, seq.stop_reason, lps)
+            )
+            sent.tokens, sent.chars, sent.done = stop - seq.num_prompt_tokens, end, finished
+        return outs

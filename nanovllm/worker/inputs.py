@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanovllm.core.scheduler import PLACEHOLDER, ScheduledBatch
+from nanovllm.core.scheduler import ScheduledBatch
+from nanovllm.core.sequence import PLACEHOLDER
 from nanovllm.model.attention.metadata import AttentionMetadata
 
 

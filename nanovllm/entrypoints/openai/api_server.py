@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI routes in this process, the engine in another.
 
-Here: auth, body limits, tokenization and chat templates, validation, SSE, metrics. The engine
-process owns scheduling, the model, detokenization and stop strings, and sends text deltas
-(see nanovllm/engine/engine_proc.py).
+Here: auth, body limits, tokenization and chat templates, validation, SSE, metrics, and the
+detokenization of streams without stop strings. The engine process owns scheduling, the
+model and stop strings, and sends deltas (see nanovllm/engine/engine_proc.py).
 """
 
 import argparse
@@ -29,6 +29,7 @@ from nanovllm.core.config import EngineConfig
 from nanovllm.core.errors import InvalidRequestError
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.engine import stack_sampler
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.engine_proc import AddRequest, Delta
 from nanovllm.engine.tokenizer import Tokenizer
 from nanovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError
@@ -135,6 +136,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    detok: IncrementalDetokenizer | None = None  # streams the engine does not decode
 
 
 @dataclass
@@ -170,6 +172,13 @@ class Generation:
             for i, ids in enumerate(prompts)
         }
         self.choices = [_Choice() for _ in range(len(prompts) * self.n)]
+        # A stream without stop strings is decoded here, off the engine's critical path (the
+        # engine decodes what has stop strings, to end the sequence in the step that made one)
+        self.detokenize = not req.stream or bool(self.params.stop_list)
+        if not self.detokenize:
+            skip = self.params.skip_special_tokens
+            for c in self.choices:
+                c.detok = IncrementalDetokenizer(server.tokenizer, [], skip)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.closed = False
 
@@ -179,7 +188,8 @@ class Generation:
         try:
             for sub, ids in zip(self.subs.values(), self.prompts):
                 # not streamed: the engine sends one Delta per completion, at its end
-                add = AddRequest(sub.request_id, ids, self.params, r.priority, r.timeout, r.stream)
+                add = AddRequest(sub.request_id, ids, self.params, r.priority, r.timeout,
+                                 r.stream, self.detokenize)
                 sub.sent = True  # from here the engine may hold it, even if we are cancelled
                 await self.server.client.add(add, self.queue)
                 sub.added = True
@@ -202,7 +212,12 @@ class Generation:
                     raise d
                 sub = self.subs[d.request_id]
                 i = sub.prompt_index * self.n + d.index
-                self._observe(sub, self.choices[i], d)
+                choice = self.choices[i]
+                if choice.detok is not None:
+                    d.text = choice.detok.step(d.token_ids)
+                    if d.finish_reason is not None:
+                        d.text += choice.detok.flush()
+                self._observe(sub, choice, d)
                 left -= d.finish_reason is not None
                 merged[i] = merged[i].merge(d) if i in merged else d
             yield list(merged.items())
