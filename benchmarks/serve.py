@@ -319,9 +319,11 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def run_offline(
-    launch_args: list[str], warm_reqs: list[Request], reqs: list[Request], temperature: float
+    launch_args: list[str], warm_reqs: list[Request], reqs: list[Request], temperature: float,
+    runs: int = 1,
 ) -> dict:
-    """The same prompts through LLM.generate, with the engine arguments the server had."""
+    """The same prompts through LLM.generate, with the engine arguments the server had;
+    `runs` times, reporting the best (and each run's throughput)."""
     from nanovllm import LLM, SamplingParams
     from nanovllm.entrypoints.cli import _engine_kwargs, build_parser
 
@@ -334,15 +336,20 @@ def run_offline(
     ]
     warm = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=4)
     llm.generate([r.prompt for r in warm_reqs], warm, use_tqdm=False)  # as the server's
-    start = time.perf_counter()
-    outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+        assert llm.engine.block_manager.reset_prefix_cache()  # each run computes every prompt
     tokens = sum(len(o.token_ids) for o in outs)
+    elapsed = min(times)
     return {
         "engine_kwargs": engine_kwargs,
         "elapsed_s": elapsed,
         "output_tokens": tokens,
         "output_throughput": tokens / elapsed,
+        "throughputs": [tokens / t for t in times],
         "request_throughput": len(reqs) / elapsed,
     }
 
@@ -449,6 +456,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--request-timeout", type=float, default=1800)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offline", action="store_true", help="also run LLM.generate (needs --launch)")
+    ap.add_argument("--offline-runs", type=int, default=1,
+                    help="offline runs (the best counts): a shared host's speed varies by run")
     ap.add_argument("--out", type=Path, default=Path("serve_bench.json"))
     ap.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out as .png)")
     args = ap.parse_args()
@@ -485,8 +494,9 @@ def main() -> None:
             stop(proc)
     offline = None
     if args.offline:
-        offline = run_offline(launch_args, warm_reqs, reqs, args.temperature)
-        print(f"offline LLM.generate: {offline['output_throughput']:.1f} output tok/s")
+        offline = run_offline(launch_args, warm_reqs, reqs, args.temperature, args.offline_runs)
+        each = ", ".join(f"{t:.1f}" for t in offline["throughputs"])
+        print(f"offline LLM.generate: {each} output tok/s")
     print()
     print_table(runs)
     report = {
@@ -500,11 +510,12 @@ def main() -> None:
         "offline": offline,
     }
     saturated = [r for r in runs if r["rate"] == "inf"]
-    if offline and saturated:
-        ratio = saturated[0]["output_throughput"] / offline["output_throughput"]
+    if offline and saturated:  # best against best: noise on a shared host only slows a run
+        ratio = max(r["output_throughput"] for r in saturated) / offline["output_throughput"]
         report["server_over_offline"] = ratio
         verdict = "within" if ratio >= 0.9 else "NOT within"
-        print(f"server at rate inf / offline throughput: {ratio:.3f} ({verdict} 10%)")
+        print(f"server at rate inf / offline throughput (best runs): {ratio:.3f} "
+              f"({verdict} 10%)")
     args.out.write_text(json.dumps(report, indent=2))
     print(f"results: {args.out}")
     title = f"{model}, {args.dataset} {args.input_len}->{args.output_len}, {len(reqs)} prompts"
