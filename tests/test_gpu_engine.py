@@ -66,3 +66,25 @@ def test_gpu_bf16_sampling_and_seeds(tiny_model):
     pen = SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3,
                          presence_penalty=0.5, ignore_eos=True)
     assert all(len(o.token_ids) == 16 for o in llm.generate(prompts, pen, use_tqdm=False))
+
+
+def test_gpu_streamed_deltas_add_up_to_the_offline_result(tiny_model):
+    """With overlap (the GPU default) a step reports while its token is still on the device:
+    streamed outputs must show only tokens on the host, and add up to generate()'s."""
+
+    prompts = make_prompts(seed=7, count=6)
+    sp = SamplingParams(temperature=0.7, seed=2, max_tokens=12, ignore_eos=True, logprobs=1)
+    llm = LLM(str(tiny_model), device="cuda", dtype="float32", max_model_len=256,
+              kv_cache_gib=1)
+    offline = llm.generate(prompts, sp, use_tqdm=False)
+    engine = llm.engine
+    assert engine.overlap
+    for i, p in enumerate(prompts):
+        engine.add_request(p, sp, f"d{i}", stream=True, delta=True, detokenize=i % 2 == 0)
+    ids: dict[str, list[int]] = {f"d{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for o in out.outputs:
+                assert -1 not in o.token_ids and len(o.logprobs) == len(o.token_ids)
+                ids[out.request_id] += o.token_ids
+    assert [ids[f"d{i}"] for i in range(len(prompts))] == [o.token_ids for o in offline]
