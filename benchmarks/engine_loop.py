@@ -108,7 +108,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--vocab-limit", type=int, default=32000, help="prompt ids are below it")
-    ap.add_argument("--admission-batch", type=int, default=1, help="engine option (both sides)")
+    ap.add_argument("--admission-batch", type=int, default=None,
+                    help="engine option (both sides; default: the engine's)")
     ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads per engine")
     ap.add_argument("--modes", default="stream,offline",
                     help="what each round runs, in order: stream (the engine process, as the "

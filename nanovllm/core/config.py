@@ -21,7 +21,8 @@ class EngineConfig:
     # fair: admit new prompts only once this many rows are free (or as many as are waiting),
     # so one prefill+decode step admits several; such steps run eagerly, decode-only ones as
     # CUDA graphs. 1 admits at once. Never held back longer than admission_max_delay steps.
-    admission_batch: int = 1
+    # None: 16 on a GPU with CUDA graphs (capped at max_num_seqs), else 1 (see BENCHMARKS).
+    admission_batch: int | None = None
     admission_max_delay: int = 16
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
@@ -40,7 +41,7 @@ class EngineConfig:
             bad("scheduling_policy", f"choose one of {', '.join(POLICIES)}")
         if self.max_num_seqs < 1:
             bad("max_num_seqs", "use an integer >= 1")
-        if not 1 <= self.admission_batch <= self.max_num_seqs:
+        if self.admission_batch is not None and not 1 <= self.admission_batch <= self.max_num_seqs:
             bad("admission_batch", f"use an integer in [1, max_num_seqs={self.max_num_seqs}]")
         if self.admission_max_delay < 0:
             bad("admission_max_delay", "use a number of steps >= 0")

@@ -66,7 +66,7 @@ class Scheduler:
         self.policy = config.scheduling_policy
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.admission_batch = config.admission_batch
+        self.admission_batch = config.admission_batch or 1  # None: the engine decides
         self.admission_max_delay = config.admission_max_delay
         self._held_steps = 0  # consecutive steps new prompts were held back
         self.max_model_len = max_model_len

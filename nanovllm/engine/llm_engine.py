@@ -92,10 +92,13 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
+        on_gpu = self.runner.device.type == "cuda"
+        if config.admission_batch is None:  # graphs make decode-only steps the cheap ones
+            graphs = on_gpu and not config.enforce_eager
+            config.admission_batch = min(16, config.max_num_seqs) if graphs else 1
         self.scheduler = Scheduler(
             config, self.block_manager, self.max_model_len, self.eos_token_ids
         )
-        on_gpu = self.runner.device.type == "cuda"
         self.runner.setup_steps(self.max_model_len)
         self.overlap = on_gpu if config.overlap is None else config.overlap
         self._inflight: StepHandle | None = None
