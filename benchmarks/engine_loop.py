@@ -27,8 +27,8 @@ from nanovllm.engine.engine_proc import AddRequest, start_engine
 from nanovllm.engine.tokenizer import Tokenizer
 
 
-def make_requests(args) -> list[tuple[list[int], int]]:
-    rng = random.Random(args.seed)
+def make_requests(args, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
     lo_in, hi_in = args.input_len // 2, args.input_len * 3 // 2
     lo_out, hi_out = args.output_len // 2, args.output_len * 3 // 2
     return [
@@ -42,16 +42,16 @@ def params(n: int, temperature: float) -> SamplingParams:
     return SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n)
 
 
-def run_engine_proc(args, kwargs: dict, reqs, stream: bool = True) -> float:
+def run_engine_proc(args, kwargs: dict, warm_reqs, reqs, stream: bool = True) -> float:
     proc, conn = start_engine(args.model, kwargs, None)
     tok = Tokenizer.from_pretrained_dir(Path(args.model))
     try:
         kind, info = conn.recv()
         assert kind == "ready", info
-        for warm in (True, False):  # a short pass first, as serve.py's warm-up
+        for warm, batch in ((True, warm_reqs), (False, reqs)):  # as serve.py's warm-up
 
-            def send_all(warm=warm):  # from a thread, as the front end reads while it sends
-                for i, (ids, n) in enumerate(reqs):
+            def send_all(warm=warm, batch=batch):  # from a thread, as the front end does
+                for i, (ids, n) in enumerate(batch):
                     p = params(4 if warm else n, args.temperature)
                     rid = f"{'w' if warm else 'r'}{i}"
                     # as the front end sends a stream without stop strings: it decodes
@@ -60,7 +60,7 @@ def run_engine_proc(args, kwargs: dict, reqs, stream: bool = True) -> float:
             start = time.perf_counter()
             sender = threading.Thread(target=send_all)
             sender.start()
-            left, tokens = len(reqs), 0
+            left, tokens = len(batch), 0
             detoks: dict[str, IncrementalDetokenizer] = {}
             while left:
                 msg = conn.recv()
@@ -82,10 +82,11 @@ def run_engine_proc(args, kwargs: dict, reqs, stream: bool = True) -> float:
             proc.kill()
 
 
-def run_offline(args, kwargs: dict, reqs) -> float:
+def run_offline(args, kwargs: dict, warm_reqs, reqs) -> float:
     llm = LLM(args.model, **kwargs)
+    warm = [ids for ids, _ in warm_reqs]
+    llm.generate(warm, params(4, args.temperature), use_tqdm=False)
     prompts = [ids for ids, _ in reqs]
-    llm.generate(prompts, params(4, args.temperature), use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate(prompts, [params(n, args.temperature) for _, n in reqs], use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -121,13 +122,15 @@ def main() -> None:
     kwargs = dict(device=args.device, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, admission_batch=args.admission_batch,
                   num_threads=args.threads)
-    reqs = make_requests(args)
+    # the warm-up has prompts of its own, so the timed run is not served from the prefix
+    # cache it filled (until commit cb31c83 both sides warmed up on the timed prompts)
+    warm, reqs = make_requests(args, args.seed + 1), make_requests(args, args.seed)
     print(f"{len(reqs)} requests, {sum(len(i) for i, _ in reqs):,} prompt tokens, "
           f"{sum(n for _, n in reqs):,} output tokens; engine {kwargs}")
     modes = {
-        "stream": ("engine process", lambda: run_engine_proc(args, kwargs, reqs)),
-        "final": ("engine, no stream", lambda: run_engine_proc(args, kwargs, reqs, False)),
-        "offline": ("LLM.generate", lambda: run_offline(args, kwargs, reqs)),
+        "stream": ("engine process", lambda: run_engine_proc(args, kwargs, warm, reqs)),
+        "final": ("engine, no stream", lambda: run_engine_proc(args, kwargs, warm, reqs, False)),
+        "offline": ("LLM.generate", lambda: run_offline(args, kwargs, warm, reqs)),
     }
     chosen = [modes[m.strip()] for m in args.modes.split(",")]
     results: dict[str, list[float]] = {name: [] for name, _ in chosen}
