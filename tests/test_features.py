@@ -92,8 +92,14 @@ def test_kernel_warmup_leaves_the_engine_clean(tiny_llama):
     assert len(out[0].token_ids) == 3
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_streamed_outputs_show_only_tokens_on_the_host(tiny_llama, overlap):
+@pytest.mark.parametrize("extra", [
+    dict(overlap=False),
+    dict(overlap=True),
+    # chunked prefill, and a KV cache too small for every running row: preemption while
+    # streaming recomputes a sequence, and must neither repeat nor lose what was sent
+    dict(overlap=True, max_num_batched_tokens=6, num_kv_blocks=9),
+], ids=["plain", "overlap", "overlap+preempt"])
+def test_streamed_outputs_show_only_tokens_on_the_host(tiny_llama, extra):
     """Streaming, cumulative and delta, against the offline result of the same requests:
     with overlap a step's sampled token is still a placeholder when the step reports, and
     outputs must not show it. Delta outputs add up to the whole completion, with one
@@ -103,7 +109,7 @@ def test_streamed_outputs_show_only_tokens_on_the_host(tiny_llama, overlap):
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     args = dict(n=2, temperature=0.8, seed=4, max_tokens=10, ignore_eos=True, logprobs=2)
     sp = SamplingParams(**args)
-    kw = dict(device="cpu", block_size=4, max_num_seqs=3, overlap=overlap)
+    kw = dict(device="cpu", block_size=4, max_num_seqs=3, **extra)
     offline = LLM(str(tiny_llama), **kw).generate(prompts, sp, use_tqdm=False)
     stop = offline[0].outputs[1].text[3:6]
     stopped = LLM(str(tiny_llama), **kw).generate(
@@ -144,3 +150,7 @@ def test_streamed_outputs_show_only_tokens_on_the_host(tiny_llama, overlap):
     for o in offline[1].outputs:
         s = seen[("ids", o.index)]
         assert s["ids"] == o.token_ids and s["text"] == ""
+    if "num_kv_blocks" in extra:
+        assert engine.scheduler.num_preemptions > 0
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
