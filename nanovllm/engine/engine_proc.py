@@ -95,7 +95,8 @@ class Outbox:
     """The engine's end of the pipe, which never makes a step wait for the front end.
 
     Messages are written only while `poll()` says the pipe has room (a Unix socket says so
-    once half its buffer is free); the rest wait in order for the next `flush`. Replies
+    once half its buffer is free); the rest wait in order for the next `flush` (when nothing
+    waits and there is room, as usual, a step's Deltas go out as one message at once). Replies
     go first, so "accepted" precedes the Deltas of its request. While the front end lags,
     new Deltas merge into the unsent ones, one per completion: it later receives fewer,
     larger Deltas. Everything runs on the engine's thread: a writer thread was measured to
@@ -117,6 +118,9 @@ class Outbox:
         self.flush()
 
     def put_deltas(self, deltas: list[Delta]) -> None:
+        if not self.pending and self._poll.poll(0):
+            self.conn.send(("out", deltas))  # the usual case: nothing waits, room to write
+            return
         pending = self._deltas
         for d in deltas:
             key = (d.request_id, d.index)

@@ -276,7 +276,7 @@ class LLMEngine:
         for req in touched.values():
             finished = req.finished
             if req.stream or finished:
-                outputs.append(self._make_output(req))
+                outputs.append(self._make_output(req, finished))
             if finished:
                 del self.requests[req.request_id]
                 for seq in req.seqs:
@@ -346,7 +346,7 @@ class LLMEngine:
         skip = seq.sampling_params.skip_special_tokens
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)
 
-    def _make_output(self, req: Request) -> RequestOutput:
+    def _make_output(self, req: Request, finished: bool | None = None) -> RequestOutput:
         if req.delta:
             outs = self._delta_outputs(req)
         else:
@@ -364,8 +364,10 @@ class LLMEngine:
         queued = None
         if first.first_scheduled_time is not None:
             queued = first.first_scheduled_time - first.arrival_time
+        if finished is None:
+            finished = req.finished
         return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
+            req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
             first.num_cached_prefix_tokens, queued,
         )
 
