@@ -341,7 +341,9 @@ def run_offline(
         start = time.perf_counter()
         outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
         times.append(time.perf_counter() - start)
-        assert llm.engine.block_manager.reset_prefix_cache()  # each run computes every prompt
+        # each run computes every prompt (not an assert: `python -O` would skip the reset)
+        if not llm.engine.block_manager.reset_prefix_cache():
+            raise RuntimeError("KV blocks still in use after generate(); cannot reset the cache")
     tokens = sum(len(o.token_ids) for o in outs)
     elapsed = min(times)
     return {
