@@ -21,7 +21,7 @@ if [ -z "$SKIP_TESTS" ]; then
   # fixture run on CUDA too when they are named here without -m gpu)
   # shellcheck disable=SC2086
   timeout "${TESTS_S:-300}" python3 -m pytest -q --maxfail=10 -p no:cacheprovider \
-    ${TESTS:--m gpu tests/test_gpu_engine.py tests/test_sampler.py tests/test_triton_attention.py} \
+    ${TESTS:--m gpu tests/engine/test_gpu_engine.py tests/model/test_sampler.py tests/model/test_triton_attention.py} \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [ -z "$SKIP_ATTN" ]; then

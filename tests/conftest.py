@@ -1,6 +1,5 @@
-"""Shared fixtures: tiny random models in Hugging Face layout, and the default model."""
+"""Shared fixtures: tiny random models in Hugging Face layout (built by tests/support.py)."""
 
-import json
 import os
 from pathlib import Path
 
@@ -11,91 +10,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():  # Triton kernels then run in its CPU interpreter; must
     os.environ.setdefault("TRITON_INTERPRET", "1")  # be set before triton is first imported
 
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Paged attention stores keys and values in fixed-size blocks.",
-    "A scheduler decides which tokens run in each step of the engine loop.",
-    "Prefix caching lets requests that share a system prompt reuse blocks.",
-    "1234567890 + - * / = ( ) [ ] { } < > ! ? , . ; :",
-    "héllo wörld, naïve café, 東京, 😀 emoji",
-] * 20
-
-TINY_ARCHS = {
-    "llama": dict(architecture="LlamaForCausalLM", model_type="llama", tie_word_embeddings=False),
-    "qwen2": dict(architecture="Qwen2ForCausalLM", model_type="qwen2", tie_word_embeddings=True),
-    "qwen3": dict(
-        architecture="Qwen3ForCausalLM", model_type="qwen3", tie_word_embeddings=False, head_dim=32
-    ),
-}
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def build_tokenizer_files(path: Path, vocab_size: int = 400) -> None:
-    """A byte-level BPE trained on a tiny corpus, saved as tokenizer.json + config."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": None,
-                "eos_token": "<|im_end|>",
-                "pad_token": "<|endoftext|>",
-                "chat_template": CHAT_TEMPLATE,
-                "add_bos_token": False,
-            }
-        )
-    )
-
-
-def build_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
-    """A 2-layer randomly initialized model of the given family, saved in HF layout."""
-    import transformers
-
-    spec = dict(TINY_ARCHS[arch], **overrides)
-    path.mkdir(parents=True, exist_ok=True)
-    build_tokenizer_files(path)
-    config_cls = transformers.AutoConfig.for_model(spec.pop("model_type")).__class__
-    architecture = spec.pop("architecture")
-    config = config_cls(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        eos_token_id=2,
-        bos_token_id=None,
-        pad_token_id=0,
-        architectures=[architecture],
-        **spec,
-    )
-    torch.manual_seed(seed)
-    model = getattr(transformers, architecture)(config).float()
-    with torch.no_grad():  # larger, non-trivial weights so greedy choices are well separated
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
-    model.save_pretrained(path)
-    return path
+from tests.support import TINY_ARCHS, build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_ARCHS))
@@ -106,13 +21,3 @@ def tiny_model(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-only"), "llama")
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Reference greedy decoding: a full forward pass per token, no cache, no shortcuts."""
-    ids = list(prompt_ids)
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt_ids) :]

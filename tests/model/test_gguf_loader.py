@@ -11,7 +11,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.model.loader.gguf_file import read_gguf
 from nanovllm.model.loader.source import default_model_path
-from tests.conftest import hf_greedy
+from tests.support import hf_greedy
 
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 LAYER = {

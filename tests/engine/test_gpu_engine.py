@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from tests.conftest import hf_greedy
-from tests.test_tiny_models import make_prompts
+from tests.support import hf_greedy, make_prompts
 
 pytestmark = [
     pytest.mark.gpu,

@@ -25,7 +25,7 @@ from nanovllm.model.loader.source import default_model_path
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 512
 MAX_NUM_SEQS = 16
 MAX_REQUEST_BYTES = 200_000

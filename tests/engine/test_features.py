@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from tests.conftest import build_tiny_model, hf_greedy
+from tests.support import build_tiny_model, hf_greedy
 
 
 @pytest.fixture(scope="module")

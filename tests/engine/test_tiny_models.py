@@ -1,23 +1,14 @@
 """Greedy outputs of tiny random Llama / Qwen2 / Qwen3 models equal transformers', whatever
 the batch, chunk size, prefix-cache hits, preemption or scheduling policy."""
 
-import random
 
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from tests.conftest import hf_greedy
+from tests.support import hf_greedy, make_prompts
 
 MAX_TOKENS = 10
-
-
-def make_prompts(seed: int, count: int, shared_prefix: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, 400) for _ in range(shared_prefix)]
-    return [
-        prefix + [rng.randrange(3, 400) for _ in range(rng.randint(1, 40))] for _ in range(count)
-    ]
 
 
 @pytest.fixture(scope="module")
