@@ -8,9 +8,10 @@ class NanoVLLMError(Exception):
 class InvalidRequestError(NanoVLLMError, ValueError):
     """A request (prompt or sampling parameters) is invalid; nothing was scheduled."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code  # a machine-readable kind (e.g. "context_length_exceeded"), or None
 
 
 class ConfigError(NanoVLLMError, ValueError):

@@ -40,7 +40,7 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompt_list))
         engine = self.engine
         rendered = [self._render(p) for p in prompt_list]
-        token_ids = [engine.tokenize_prompt(p) for p in rendered]
+        token_ids = [engine.tokenize_prompt(p, sp) for p, sp in zip(rendered, params)]
         order: list[str] = []
         try:
             for p, ids, sp in zip(rendered, token_ids, params):

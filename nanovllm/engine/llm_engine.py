@@ -10,9 +10,10 @@ from nanovllm.core.errors import ConfigError, InvalidRequestError
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
+from nanovllm.core.validation import as_token_ids, check_prompt
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.outputs import CompletionOutput, RequestOutput
-from nanovllm.engine.tokenizer import Tokenizer
+from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.model.config import ModelConfig
 from nanovllm.model.loader.source import open_model
 from nanovllm.worker.model_runner import ModelRunner, StepHandle
@@ -67,10 +68,7 @@ class LLMEngine:
         self.config = config = EngineConfig(**kwargs)
         source = open_model(model)
         self.model_config = ModelConfig.from_hf(source.hf_config)
-        if source.gguf is not None:
-            self.tokenizer = Tokenizer.from_gguf(source.gguf.metadata)
-        else:
-            self.tokenizer = Tokenizer.from_pretrained_dir(source.path)
+        self.tokenizer = load_tokenizer(source)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(
             self.model_config.eos_token_ids
         )
@@ -121,31 +119,14 @@ class LLMEngine:
         # the template writes any BOS itself
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt, checked against the vocabulary and max_model_len."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt"
-                )
-        else:
-            raise InvalidRequestError(
-                f"a prompt must be a string or a list of token ids, not {type(prompt).__name__}",
-                "prompt",
-            )
-        if not ids:
-            raise InvalidRequestError("the prompt is empty; give at least one token", "prompt")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}, "
-                "leaving no room to generate; shorten the prompt or raise max_model_len",
-                "prompt",
-            )
+    def tokenize_prompt(
+        self, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> list[int]:
+        """Token ids of a prompt, checked as every entry point checks them (vocabulary,
+        length, and room for `params.max_tokens` in max_model_len)."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else as_token_ids(prompt)
+        max_tokens = params.max_tokens if params is not None else None
+        check_prompt(ids, self.model_config.vocab_size, self.max_model_len, max_tokens)
         return ids
 
     def add_request(
@@ -174,7 +155,11 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams", "sampling_params")
-        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
+        if prompt_token_ids is None:
+            ids = self.tokenize_prompt(prompt, params)
+        else:  # tokenized by the caller (the prompt is kept for the output): checked alike
+            ids = as_token_ids(prompt_token_ids, "prompt_token_ids")
+            check_prompt(ids, self.model_config.vocab_size, self.max_model_len, params.max_tokens)
         request_id = request_id or str(next(self._req_counter))
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")

@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterable
 from datetime import datetime
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import jinja2
@@ -22,6 +22,17 @@ from tokenizers import Tokenizer as BackendTokenizer
 from nanovllm.core.errors import InvalidRequestError, ModelLoadError
 from nanovllm.engine.gguf_tokenizer import gguf_tokenizer_args
 from nanovllm.model.loader.gguf_file import read_gguf_metadata  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from nanovllm.model.loader.source import ModelSource
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    """The tokenizer of an opened model (what the engine and the server both use); a GGUF
+    file's metadata, already read, is not read again."""
+    if source.gguf is not None:
+        return Tokenizer.from_gguf(source.gguf.metadata)
+    return Tokenizer.from_pretrained_dir(source.path)
 
 
 class ChatTemplateError(InvalidRequestError):

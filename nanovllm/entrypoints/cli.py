@@ -130,7 +130,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if not args.raw and engine.tokenizer.chat_template:
         prompt = engine.render_chat([{"role": "user", "content": prompt}])
-    engine.tokenize_prompt(prompt)  # validate before printing anything
+    engine.tokenize_prompt(prompt, params)  # validate before printing anything
     _stream(engine, prompt, params)
     sys.stdout.write("\n")
     return 0
@@ -159,7 +159,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         try:
             prompt = engine.render_chat(messages)
-            engine.tokenize_prompt(prompt)
+            engine.tokenize_prompt(prompt, params)
         except NanoVLLMError as e:
             print(f"error: {e}", file=sys.stderr)
             messages.pop()
