@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.core.config import EngineConfig
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.engine_proc import AddRequest, start_engine
+from nanovllm.engine.messages import EngineProcessConfig
 from nanovllm.engine.tokenizer import Tokenizer
 
 
@@ -43,7 +45,7 @@ def params(n: int, temperature: float) -> SamplingParams:
 
 
 def run_engine_proc(args, kwargs: dict, warm_reqs, reqs, stream: bool = True) -> float:
-    proc, conn = start_engine(args.model, kwargs, None)
+    proc, conn = start_engine(EngineProcessConfig(args.model, EngineConfig(**kwargs), None))
     tok = Tokenizer.from_pretrained_dir(Path(args.model))
     try:
         kind, info = conn.recv()

@@ -36,6 +36,7 @@ the bottleneck): `--client-procs P` then spreads the requests over P client proc
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -325,11 +326,11 @@ def run_offline(
     """The same prompts through LLM.generate, with the engine arguments the server had;
     `runs` times, reporting the best (and each run's throughput)."""
     from nanovllm import LLM, SamplingParams
-    from nanovllm.entrypoints.cli import _engine_kwargs, build_parser
+    from nanovllm.entrypoints.cli import build_parser, engine_config
 
     served = build_parser().parse_args(["serve", *launch_args])
-    engine_kwargs = _engine_kwargs(served)
-    llm = LLM(served.model, **engine_kwargs)
+    config = engine_config(served)
+    llm = LLM(served.model, **dataclasses.asdict(config))
     params = [
         SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=r.output_len)
         for r in reqs
@@ -347,7 +348,7 @@ def run_offline(
     tokens = sum(len(o.token_ids) for o in outs)
     elapsed = min(times)
     return {
-        "engine_kwargs": engine_kwargs,
+        "engine_config": dataclasses.asdict(config),
         "elapsed_s": elapsed,
         "output_tokens": tokens,
         "output_throughput": tokens / elapsed,

@@ -1,4 +1,4 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from nanovllm.core.errors import ConfigError
 
@@ -32,6 +32,15 @@ class EngineConfig:
     overlap: bool | None = None  # schedule step N+1 while the GPU runs step N (None: on GPU)
     seed: int = 0
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
+
+    @classmethod
+    def from_options(cls, **options) -> "EngineConfig":
+        """An EngineConfig from keyword options, naming any it does not know."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {unknown}; valid options: {sorted(known)}")
+        return cls(**options)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:

@@ -40,6 +40,7 @@ from nanovllm.core.errors import NanoVLLMError
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.core.sequence import FinishReason
 from nanovllm.engine import stack_sampler
+from nanovllm.engine.messages import EngineProcessConfig
 from nanovllm.engine.outputs import RequestOutput
 
 log = logging.getLogger("nanovllm.engine")
@@ -140,17 +141,14 @@ class Outbox:
         return not self.pending
 
 
-def start_engine(
-    model: str | None, engine_kwargs: dict, max_num_waiting: int | None,
-    log_interval: float = 10.0,
-) -> tuple[multiprocessing.Process, Connection]:
+def start_engine(config: EngineProcessConfig) -> tuple[multiprocessing.Process, Connection]:
     """Spawn the engine process; returns it and the front end's end of the pipe. The first
     message on the pipe is ("ready", info) or ("fatal", message)."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=True)
     proc = ctx.Process(
         target=run_engine_loop,
-        args=(child, model, engine_kwargs, max_num_waiting, log_interval),
+        args=(child, config),
         name="nanovllm-engine",
         daemon=True,
     )
@@ -159,22 +157,19 @@ def start_engine(
     return proc, parent
 
 
-def run_engine_loop(
-    conn: Connection, model: str | None, engine_kwargs: dict, max_num_waiting: int | None,
-    log_interval: float,
-) -> None:
+def run_engine_loop(conn: Connection, config: EngineProcessConfig) -> None:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from nanovllm.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(model, **engine_kwargs)
+        engine = LLMEngine(config.model, config.engine)
     except Exception as e:  # a bad model path or config: the front end reports it
         log.exception("engine failed to start")
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
         return
-    loop = EngineLoop(engine, conn, max_num_waiting, log_interval)
-    name = served_name(model)
+    loop = EngineLoop(engine, conn, config.max_num_waiting, config.log_interval)
+    name = served_name(config.model)
     conn.send(("ready", {
         "model": name,
         "max_model_len": engine.max_model_len,

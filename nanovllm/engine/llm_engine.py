@@ -58,14 +58,16 @@ class _Sent:
 class LLMEngine:
     """The engine loop: add requests, `step()` until none is left, read outputs."""
 
-    def __init__(self, model: str | None = None, **kwargs) -> None:
-        fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(kwargs) - fields)
-        if unknown:
-            raise ConfigError(
-                f"unknown engine option(s) {unknown}; valid options: {sorted(fields)}"
-            )
-        self.config = config = EngineConfig(**kwargs)
+    def __init__(
+        self, model: str | None = None, config: EngineConfig | None = None, **options
+    ) -> None:
+        """`model`: a model directory or .gguf file (None: the default model); engine
+        options as an EngineConfig or as keywords (`max_num_seqs=...`), not both."""
+        if config is None:
+            config = EngineConfig.from_options(**options)
+        elif options:
+            raise ConfigError("pass engine options as an EngineConfig or as keywords, not both")
+        self.config = config
         source = open_model(model)
         self.model_config = ModelConfig.from_hf(source.hf_config)
         self.tokenizer = load_tokenizer(source)

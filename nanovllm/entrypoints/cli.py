@@ -58,7 +58,10 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
+def engine_config(args: argparse.Namespace):
+    """The EngineConfig the engine options of `args` ask for."""
+    from nanovllm.core.config import EngineConfig
+
     kw = {"dtype": args.dtype, "device": args.device}
     for name in (
         "max_model_len",
@@ -80,7 +83,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kw["overlap"] = args.overlap == "on"
     if args.enforce_eager:
         kw["enforce_eager"] = True
-    return kw
+    return EngineConfig(**kw)
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -126,7 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from nanovllm.engine.llm_engine import LLMEngine
 
     params = _sampling_params(args)
-    engine = LLMEngine(args.model, **_engine_kwargs(args))
+    engine = LLMEngine(args.model, engine_config(args))
     prompt = args.prompt
     if not args.raw and engine.tokenizer.chat_template:
         prompt = engine.render_chat([{"role": "user", "content": prompt}])
@@ -140,7 +143,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from nanovllm.engine.llm_engine import LLMEngine
 
     params = _sampling_params(args)
-    engine = LLMEngine(args.model, **_engine_kwargs(args))
+    engine = LLMEngine(args.model, engine_config(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("Chatting with the model. Ctrl-D or /exit to leave, /reset to start over.")
     while True:
@@ -175,9 +178,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from nanovllm.entrypoints.openai.api_server import run_server  # FastAPI only when serving
+    # FastAPI only when serving
+    from nanovllm.engine.messages import EngineProcessConfig
+    from nanovllm.entrypoints.openai.launch import ServerSettings, run_server
 
-    return run_server(args, _engine_kwargs(args))
+    engine = EngineProcessConfig(
+        args.model, engine_config(args), args.max_num_waiting, args.log_interval
+    )
+    server = ServerSettings(
+        args.host, args.port, args.api_key, args.served_model_name, args.max_request_bytes
+    )
+    return run_server(engine, server)
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:

@@ -7,14 +7,16 @@ import time
 import pytest
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.core.config import EngineConfig
 from nanovllm.engine.engine_proc import AddRequest, start_engine
+from nanovllm.engine.messages import EngineProcessConfig
 
 ENGINE = dict(device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    proc, conn = start_engine(str(tiny_llama), ENGINE, max_num_waiting=4)
+    proc, conn = start_engine(EngineProcessConfig(str(tiny_llama), EngineConfig(**ENGINE), 4))
     assert conn.poll(120), "engine did not start"
     kind, info = conn.recv()
     assert kind == "ready", info

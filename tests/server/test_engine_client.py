@@ -11,7 +11,9 @@ import importlib.util
 import pytest
 
 from nanovllm import SamplingParams
+from nanovllm.core.config import EngineConfig
 from nanovllm.engine.engine_proc import AddRequest, Delta
+from nanovllm.engine.messages import EngineProcessConfig
 from nanovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError
 from nanovllm.entrypoints.openai.protocol import APIError
 
@@ -37,7 +39,7 @@ def run(loop: str, main):
 
 @pytest.fixture
 def client(tiny_llama):
-    c = EngineClient.start(str(tiny_llama), ENGINE, max_num_waiting=None)
+    c = EngineClient.start(EngineProcessConfig(str(tiny_llama), EngineConfig(**ENGINE), None))
     yield c
     c.shutdown()
 

@@ -5,11 +5,9 @@ detokenization of streams without stop strings. The engine process owns scheduli
 model and stop strings, and sends deltas (see nanovllm/engine/engine_proc.py).
 """
 
-import argparse
 import asyncio
 import json
 import logging
-import os
 import secrets
 import time
 import uuid
@@ -25,10 +23,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm.core.config import EngineConfig
 from nanovllm.core.errors import InvalidRequestError
 from nanovllm.core.sampling_params import SamplingParams
-from nanovllm.engine import stack_sampler
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.engine_proc import AddRequest, Delta
 from nanovllm.engine.tokenizer import Tokenizer
@@ -507,46 +503,3 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, config: ServerConfig) 
 
     app.include_router(v1)
     return app
-
-
-def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
-    """`nanovllm serve`: start the engine process, wait until it is ready, serve HTTP."""
-    import uvicorn
-
-    from nanovllm.model.loader.source import open_model
-
-    log.setLevel(logging.INFO)
-    source = open_model(args.model)  # as LLMEngine does; fails fast on a bad path
-    if source.gguf is not None:
-        tokenizer = Tokenizer.from_gguf(source.gguf.metadata)
-    else:
-        tokenizer = Tokenizer.from_pretrained_dir(source.path)
-    log.info("starting the engine process (model %s)", args.model or "default")
-    client = EngineClient.start(args.model, engine_kwargs, args.max_num_waiting, args.log_interval)
-    try:
-        info = client.info
-        config = ServerConfig(
-            served_model_name=args.served_model_name or info["model"],
-            api_key=args.api_key or os.environ.get("NANOVLLM_API_KEY") or None,
-            max_request_bytes=args.max_request_bytes,
-            max_n=min(MAX_N, engine_kwargs.get("max_num_seqs") or EngineConfig.max_num_seqs),
-        )
-        app = build_app(client, tokenizer, config)
-        log.info(
-            "serving %r (max_model_len %d) on http://%s:%d%s",
-            config.served_model_name,
-            info["max_model_len"],
-            args.host,
-            args.port,
-            " (API key required)" if config.api_key else "",
-        )
-        # NANOVLLM_SAMPLE_STACKS: where time goes (the report is rewritten as it runs:
-        # uvicorn ends the process by re-raising SIGTERM, past any `finally`)
-        stack_sampler.from_env(".front")
-        # per-request log lines replace uvicorn's access log
-        uvicorn.run(
-            app, host=args.host, port=args.port, access_log=False, timeout_graceful_shutdown=5
-        )
-    finally:
-        client.shutdown()
-    return 0

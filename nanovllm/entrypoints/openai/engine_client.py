@@ -11,6 +11,7 @@ from typing import Any
 
 from nanovllm.core.errors import NanoVLLMError
 from nanovllm.engine.engine_proc import AddRequest, Delta, start_engine
+from nanovllm.engine.messages import EngineProcessConfig
 from nanovllm.entrypoints.openai.protocol import APIError
 
 log = logging.getLogger("nanovllm.server")
@@ -43,15 +44,9 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def start(
-        cls,
-        model: str | None,
-        engine_kwargs: dict,
-        max_num_waiting: int | None,
-        log_interval: float = 10.0,
-    ) -> "EngineClient":
+    def start(cls, config: EngineProcessConfig) -> "EngineClient":
         """Spawn the engine and block until it is ready; raises NanoVLLMError if it fails."""
-        proc, conn = start_engine(model, engine_kwargs, max_num_waiting, log_interval)
+        proc, conn = start_engine(config)
         try:
             while not conn.poll(0.5):
                 if not proc.is_alive():
