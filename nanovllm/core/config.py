@@ -63,7 +63,7 @@ class EngineConfig:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             bad("block_size", "use a power of two such as 16")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            bad("num_kv_blocks", "use a positive integer or None for automatic sizing")
+            bad("num_kv_blocks", "use a positive integer, or leave it unset to size it from memory")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             bad("kv_cache_gib", "use a positive size in GiB")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -74,6 +74,12 @@ class LLMEngine:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(
             self.model_config.eos_token_ids
         )
+        context = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > context:
+            raise ConfigError(
+                f"max_model_len={config.max_model_len} is longer than the model's context of "
+                f"{context} tokens (max_position_embeddings); use at most {context}"
+            )
         self.runner = ModelRunner(
             config, source, self.model_config, config.max_model_len, self.eos_token_ids
         )
