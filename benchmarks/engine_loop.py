@@ -70,7 +70,7 @@ def run_engine_proc(args, kwargs: dict, warm_reqs, reqs, stream: bool = True) ->
                     for d in msg[1]:
                         detok = detoks.get(d.request_id)
                         if detok is None:
-                            detok = detoks[d.request_id] = IncrementalDetokenizer(tok, [])
+                            detok = detoks[d.request_id] = IncrementalDetokenizer(tok)
                         detok.step(d.token_ids)
                         tokens += len(d.token_ids)
                         left -= d.finish_reason is not None

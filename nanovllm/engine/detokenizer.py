@@ -19,12 +19,9 @@ class IncrementalDetokenizer:
     is held back until later ids complete the character.
     """
 
-    def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         # The prompt is deliberately not decoding context: the stream must equal the decode of
         # the output ids alone, which drops e.g. a leading sentencepiece space the prompt keeps.
-        del prompt_token_ids
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.output_ids: list[int] = []

@@ -182,7 +182,7 @@ class LLMEngine:
             seqs.append(
                 Sequence(next(self._seq_counter), ids, p, arrival_time=now, priority=priority)
             )
-            detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
+            detoks.append(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
         req = Request(
             request_id,
             prompt if isinstance(prompt, str) else None,

@@ -332,7 +332,7 @@ def test_chat_template_extras(tiny_bpe):
 
 
 def stream(tok: Tokenizer, ids: list[int], chunks: list[int], skip: bool) -> list[str]:
-    detok = IncrementalDetokenizer(tok, [1, 2, 3], skip)
+    detok = IncrementalDetokenizer(tok, skip)
     pieces, start = [], 0
     for size in chunks:
         if start >= len(ids):

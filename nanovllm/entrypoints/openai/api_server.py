@@ -174,7 +174,7 @@ class Generation:
         if not self.detokenize:
             skip = self.params.skip_special_tokens
             for c in self.choices:
-                c.detok = IncrementalDetokenizer(server.tokenizer, [], skip)
+                c.detok = IncrementalDetokenizer(server.tokenizer, skip)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.closed = False
 
