@@ -28,7 +28,7 @@ class Batch:
     """Rows of (query_len, context_len) over a shuffled paged cache of random K/V."""
 
     def __init__(self, rows: list[tuple[int, int]], block_size: int, seed: int = 0) -> None:
-        from nanovllm.model.attention.metadata import AttentionMetadata
+        from nanovllm.kernels.attention_metadata import AttentionMetadata
 
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.rows, self.block_size = rows, block_size
@@ -66,7 +66,7 @@ class Batch:
         self._expected = None
 
     def expected(self) -> torch.Tensor:
-        from nanovllm.model.attention import torch_backend
+        from nanovllm.kernels import torch_attention as torch_backend
 
         if self._expected is None:
             q, kc, vc = (t.float() for t in (self.q, self.k_cache, self.v_cache))
@@ -124,7 +124,7 @@ def bench_graph(fn) -> float | None:
 
 
 def run_triton(table: Table, case: str, impl: str, batch: Batch, graph: bool = False, **kw):
-    from nanovllm.model.attention import triton_backend
+    from nanovllm.kernels import triton_attention as triton_backend
 
     fn = lambda: triton_backend.paged_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.meta, batch.scale, **kw
@@ -141,7 +141,7 @@ def run_triton(table: Table, case: str, impl: str, batch: Batch, graph: bool = F
 
 
 def run_reference(table: Table, case: str, batch: Batch) -> None:
-    from nanovllm.model.attention import torch_backend
+    from nanovllm.kernels import torch_attention as torch_backend
 
     fn = lambda: torch_backend.paged_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.meta, batch.scale
@@ -189,7 +189,7 @@ def make_batch(table: Table, case: str, rows: list[tuple[int, int]], block_size:
 
 
 def main_table(table: Table) -> None:
-    from nanovllm.model.attention import triton_backend
+    from nanovllm.kernels import triton_attention as triton_backend
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for bs in (16, 256):
@@ -227,7 +227,7 @@ def main_table(table: Table) -> None:
 
 def sweeps(table: Table) -> None:
     """Tile and split choices around the defaults, to check (and retune) them on this GPU."""
-    from nanovllm.model.attention import triton_backend as tb
+    from nanovllm.kernels import triton_attention as tb
 
     print(f"\n-- decode tiles (default {tb.default_decode_config(D, DTYPE)})")
     case = "decode tiles B=256 ctx~1100 bs=16"
@@ -256,7 +256,7 @@ def sweeps(table: Table) -> None:
 
 
 def decode_split_sweep(table: Table) -> None:
-    from nanovllm.model.attention import triton_backend as tb
+    from nanovllm.kernels import triton_attention as tb
 
     print("\n-- decode splits (* = choose_num_splits)")
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -7,8 +7,10 @@ On a GPU this work must stay below the GPU's step time for CPU/GPU overlap to hi
 """
 
 import argparse
+import json
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -17,8 +19,12 @@ from nanovllm.core.config import EngineConfig
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.core.scheduler import Scheduler
 from nanovllm.core.sequence import Sequence
+from nanovllm.engine.resolve import fit_kv_cache, resolve_config
+from nanovllm.model.config import ModelConfig
 from nanovllm.worker.inputs import InputBuffers
-from nanovllm.worker.sampling_metadata import build_sampling_tensors
+from nanovllm.worker.sampling import build_sampling_tensors
+
+QWEN3_CONFIG = Path(__file__).resolve().parent / "qwen3_0_6b_config.json"
 
 
 def main() -> None:
@@ -27,9 +33,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     args = ap.parse_args()
     random.seed(0)
-    cfg = EngineConfig(max_num_seqs=512, max_num_batched_tokens=16384, block_size=16)
-    bm = BlockManager(args.rows * 200, 16)
-    sched = Scheduler(cfg, bm, max_model_len=4096)
+    asked = EngineConfig(max_num_seqs=512, max_num_batched_tokens=16384, block_size=16,
+                         max_model_len=4096, device="cpu")
+    model = ModelConfig.from_hf(json.loads(QWEN3_CONFIG.read_text()))
+    cfg = fit_kv_cache(resolve_config(asked, model), asked, args.rows * 200)
+    bm = BlockManager(cfg.num_kv_blocks, cfg.block_size)
+    sched = Scheduler(cfg, bm)
     seqs = []
     for i in range(args.rows):
         prompt = [random.randrange(10000) for _ in range(random.randint(500, 1000))]
@@ -38,7 +47,8 @@ def main() -> None:
         seqs.append(seq)
     while sched.waiting or any(s.in_prefill for s in sched.running):  # prefill, no model
         batch = sched.schedule()
-        sched.postprocess(batch, [1] * len(batch.sampling_seqs))
+        sched.advance(batch)
+        sched.resolve(batch.sampling_seqs, [1] * len(batch.sampling_seqs))
     device = torch.device("cpu")
     buffers = InputBuffers(16384, 512, 4096 // 16, 16, device)  # as the engine keeps them
     t = {"schedule": 0.0, "prepare_inputs": 0.0, "sampling_tensors": 0.0, "advance+resolve": 0.0}
@@ -49,7 +59,7 @@ def main() -> None:
         buffers.prepare(batch)
         t2 = time.perf_counter()
         rows = batch.sampling_seqs
-        # as ModelRunner.launch does when no row uses penalties: lengths only
+        # as StepSampler.sample does when no row uses penalties: lengths only
         build_sampling_tensors([s.sampling_params for s in rows], [()] * len(rows),
                                [range(s.num_output_tokens) for s in rows], set(), 151936, device)
         t3 = time.perf_counter()

@@ -75,7 +75,7 @@ def make_workload(
 
 def engine_device_dtype(cfg: dict) -> tuple[str, torch.dtype]:
     """Where and in what dtype our engine runs by default: the checkpoint's dtype on a GPU,
-    float32 on a CPU (nanovllm.worker.model_runner.resolve_dtype)."""
+    float32 on a CPU (nanovllm.engine.resolve)."""
     if torch.cuda.is_available():
         name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
         return "cuda", torch.bfloat16 if name == "float32" else getattr(torch, name)
@@ -106,8 +106,8 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     result = {
         "engine_options": opts,
         "engine_config": dataclasses.asdict(engine.config),
-        "dtype": str(engine.runner.dtype).replace("torch.", ""),
-        "kv_cache_tokens": engine.runner.num_blocks * engine.config.block_size,
+        "dtype": engine.config.dtype,
+        "kv_cache_tokens": engine.config.kv_cache_tokens,
         "load_s": load_s,
         "elapsed_s": elapsed,
         "output_tokens": tokens,

@@ -49,10 +49,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
-
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_table))
@@ -66,9 +62,6 @@ class BlockManager:
             block.hash, block.token_ids = -1, ()
         self.hash_to_block.clear()
         return True
-
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.num_free_blocks
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)

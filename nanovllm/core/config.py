@@ -1,3 +1,7 @@
+"""Engine settings: what a user asks for (EngineConfig) and what the engine runs with once
+every automatic choice is made for the device and model (ResolvedConfig, built by
+engine/resolve.py and read by every part, never written)."""
+
 from dataclasses import dataclass, fields
 
 from nanovllm.core.errors import ConfigError
@@ -5,13 +9,14 @@ from nanovllm.core.errors import ConfigError
 POLICIES = ("fair", "prefill_first")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    """Everything `LLM(model, **config)` accepts besides the model path."""
+    """Everything `LLM(model, **config)` accepts besides the model path. None and "auto"
+    mean: chosen for the device and model at start-up (see ResolvedConfig)."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
-    max_model_len: int | None = None  # None: the model's own context length (capped at 8192)
+    max_model_len: int | None = None  # None: the model's context, or what the KV cache holds
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_gib / gpu_memory_utilization
     kv_cache_gib: float | None = None  # CPU default 2 GiB
@@ -27,8 +32,11 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     enforce_eager: bool = False  # no CUDA graphs
-    torch_compile: bool = False  # fuse norms/RoPE/SiLU with torch.compile (GPU; see BENCHMARKS)
-    fused_kernels: bool = True  # CUDA: Triton norms/RoPE/SiLU and one-pass sampler (off: torch)
+    # Triton norms/RoPE/SiLU and one-pass sampler. None: on CUDA. True on a CPU needs
+    # Triton's interpreter (TRITON_INTERPRET=1; tests). Takes precedence over torch_compile.
+    fused_kernels: bool | None = None
+    torch_compile: bool = False  # fuse norms/RoPE/SiLU with torch.compile (see BENCHMARKS)
+    attention_backend: str = "auto"  # auto (triton on CUDA, else torch) | triton | torch
     overlap: bool | None = None  # schedule step N+1 while the GPU runs step N (None: on GPU)
     seed: int = 0
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
@@ -72,5 +80,54 @@ class EngineConfig:
             bad("dtype", "choose auto, float32, bfloat16 or float16")
         if self.device not in ("auto", "cpu", "cuda"):
             bad("device", "choose auto, cpu or cuda")
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            bad("attention_backend", "choose auto, triton or torch")
         if self.max_model_len is not None and self.max_model_len < 1:
             bad("max_model_len", "use a positive integer")
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The settings one engine runs with: an EngineConfig with every automatic value chosen
+    for the device and model. Logged at start-up in one line (`summary`)."""
+
+    device: str  # "cpu" | "cuda"
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_kv_blocks: int | None  # None until the KV cache is sized (engine/resolve.py)
+    kv_cache_gib: float | None
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    scheduling_policy: str
+    admission_batch: int
+    admission_max_delay: int
+    cuda_graphs: bool
+    overlap: bool
+    kernels: str  # norms/RoPE/SiLU/sampler: "triton" | "torch" | "compiled"
+    attention_backend: str  # "triton" | "torch"
+    seed: int
+    num_threads: int | None
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return (self.num_kv_blocks or 0) * self.block_size
+
+    def summary(self) -> str:
+        """One line: what this engine runs with."""
+        return (
+            f"device={self.device} dtype={self.dtype} max_model_len={self.max_model_len} "
+            f"max_num_seqs={self.max_num_seqs} "
+            f"max_num_batched_tokens={self.max_num_batched_tokens} "
+            f"kv_cache={self.num_kv_blocks}x{self.block_size} tokens "
+            f"prefix_caching={_on(self.enable_prefix_caching)} "
+            f"policy={self.scheduling_policy} admission_batch={self.admission_batch} "
+            f"cuda_graphs={_on(self.cuda_graphs)} overlap={_on(self.overlap)} "
+            f"kernels={self.kernels} attention={self.attention_backend}"
+        )
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"

@@ -3,7 +3,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nanovllm.core.block_manager import BlockManager
-from nanovllm.core.config import EngineConfig
+from nanovllm.core.config import ResolvedConfig
 from nanovllm.core.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 
@@ -58,18 +58,17 @@ class Scheduler:
 
     def __init__(
         self,
-        config: EngineConfig,
+        config: ResolvedConfig,
         block_manager: BlockManager,
-        max_model_len: int,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
     ) -> None:
         self.policy = config.scheduling_policy
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.admission_batch = config.admission_batch or 1  # None: the engine decides
+        self.admission_batch = config.admission_batch
         self.admission_max_delay = config.admission_max_delay
         self._held_steps = 0  # consecutive steps new prompts were held back
-        self.max_model_len = max_model_len
+        self.max_model_len = config.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -295,15 +294,6 @@ class Scheduler:
         return True
 
     # ---- after the forward pass ----------------------------------------------
-
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
-        """Advance computed counts, append sampled tokens, finish sequences that stop.
-
-        `token_ids` holds one token per row of `batch.sampling_seqs`, in that order.
-        """
-        assert len(batch.sampling_seqs) == len(token_ids)
-        self.advance(batch)
-        return [seq for seq in self.resolve(batch.sampling_seqs, token_ids) if seq.is_finished]
 
     def advance(self, batch: ScheduledBatch) -> None:
         """The batch was launched: count its tokens as computed and give each sampling row

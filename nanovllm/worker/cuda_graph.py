@@ -4,7 +4,7 @@ batch padded up to the next size. Padded rows write no KV (slot -1) and attend t
 
 import torch
 
-from nanovllm.model.attention.metadata import AttentionMetadata
+from nanovllm.kernels.attention_metadata import AttentionMetadata
 from nanovllm.worker.inputs import InputBuffers
 
 

@@ -22,7 +22,7 @@ import torch
 
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import PLACEHOLDER
-from nanovllm.model.attention.metadata import AttentionMetadata
+from nanovllm.kernels.attention_metadata import AttentionMetadata
 
 
 @dataclass

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanovllm.core.block_manager import BlockManager
-from nanovllm.core.config import POLICIES, EngineConfig
+from nanovllm.core.config import POLICIES, ResolvedConfig
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.core.scheduler import PLACEHOLDER, Scheduler
 from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
@@ -29,17 +29,29 @@ def make_scheduler(
     admission_batch: int = 1,
     admission_max_delay: int = 16,
 ) -> Scheduler:
-    config = EngineConfig(
-        max_num_batched_tokens=max_num_batched_tokens,
+    config = ResolvedConfig(
+        device="cpu",
+        dtype="float32",
+        max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
         num_kv_blocks=num_blocks,
+        kv_cache_gib=None,
+        gpu_memory_utilization=0.9,
+        enable_prefix_caching=prefix_caching,
         scheduling_policy=policy,
         admission_batch=admission_batch,
         admission_max_delay=admission_max_delay,
+        cuda_graphs=False,
+        overlap=False,
+        kernels="torch",
+        attention_backend="torch",
+        seed=0,
+        num_threads=None,
     )
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    return Scheduler(config, bm, max_model_len, eos_token_ids={EOS})
+    return Scheduler(config, bm, eos_token_ids={EOS})
 
 
 def default_token(seq: Sequence) -> int:
@@ -48,7 +60,8 @@ def default_token(seq: Sequence) -> int:
 
 
 class FakeEngine:
-    """Runs schedule -> fake forward -> postprocess and checks the invariants of each step.
+    """Runs schedule -> fake forward -> advance -> resolve, as the engine does, and checks
+    the invariants of each step.
 
     The fake KV cache stores, in each slot, the token prefix whose last K/V lives there,
     so a sequence reading a slot someone else wrote (a prefix hit) is checked exactly.
@@ -83,8 +96,9 @@ class FakeEngine:
         sampling = batch.sampling_seqs
         tokens = [self.next_token(s) for s in sampling]
         if not self.overlap:
-            for seq in sched.postprocess(batch, tokens):
-                assert seq.is_finished and seq.finish_reason is not None
+            sched.advance(batch)
+            for seq in sched.resolve(sampling, tokens):
+                assert seq.is_finished == (seq.finish_reason is not None)
         else:
             if self.inflight is not None:
                 sched.resolve(*self.inflight)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.worker.warmup import warm_up_kernels
 from tests.support import build_tiny_model, hf_greedy
 
 
@@ -46,7 +47,7 @@ def test_min_tokens_and_stop_token_ids(llm):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs_close_to_float32(tiny_llama, dtype):
     llm = LLM(str(tiny_llama), device="cpu", dtype=dtype, block_size=4)
-    assert llm.engine.runner.kv_cache.dtype == getattr(torch, dtype)
+    assert llm.engine.runner.kv_cache.tensor.dtype == getattr(torch, dtype)
     out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=4,
                                                          ignore_eos=True), use_tqdm=False)[0]
     assert len(out.token_ids) == 4
@@ -81,10 +82,10 @@ def test_cli_chat_streams_and_exits(tiny_llama):
 def test_kernel_warmup_leaves_the_engine_clean(tiny_llama):
     # on GPU it runs at start-up; here it runs the same steps through the torch backend
     # a long step budget with a short max_model_len: warm-up positions must stay inside
-    # the RoPE table (which ends at max(max_model_len, max_position_embeddings))
+    # the RoPE table
     llm = LLM(str(tiny_llama), device="cpu", block_size=4, max_num_batched_tokens=2048,
               max_model_len=64)
-    llm.engine.runner.warmup_kernels(llm.engine.max_model_len)
+    warm_up_kernels(llm.engine.runner)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),

@@ -87,3 +87,20 @@ def test_gpu_streamed_deltas_add_up_to_the_offline_result(tiny_model):
                 assert -1 not in o.token_ids and len(o.logprobs) == len(o.token_ids)
                 ids[out.request_id] += o.token_ids
     assert [ids[f"d{i}"] for i in range(len(prompts))] == [o.token_ids for o in offline]
+
+
+def test_engines_on_one_gpu_and_the_cpu_each_get_their_settings(tiny_model, hf_model):
+    """Graphs + fused kernels, eager + torch ops, and the CPU, in one process at once."""
+    fast = LLM(str(tiny_model), device="cuda", dtype="float32", max_model_len=256,
+               kv_cache_gib=1)
+    eager = LLM(str(tiny_model), device="cuda", dtype="float32", max_model_len=256,
+                kv_cache_gib=1, enforce_eager=True, fused_kernels=False)
+    cpu = LLM(str(tiny_model), device="cpu", block_size=4)
+    assert fast.engine.runner.graphs is not None and fast.engine.config.kernels == "triton"
+    assert eager.engine.runner.graphs is None and eager.engine.config.kernels == "torch"
+    assert eager.engine.config.attention_backend == "triton"
+    assert cpu.engine.config.kernels == cpu.engine.config.attention_backend == "torch"
+    prompts = make_prompts(seed=13, count=6)
+    expected = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    for llm in (fast, eager, cpu, fast):
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected

@@ -1,4 +1,5 @@
-"""Fused Triton norm / RoPE / SiLU kernels against the torch functions they replace.
+"""Fused Triton norm / RoPE / SiLU kernels (kernels/triton_ops.py) against the torch
+functions they replace (kernels/torch_ops.py), and a model built with either.
 
 Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here and
 in conftest.py before triton loads) on small fp32 / fp16 shapes; tests marked gpu repeat
@@ -6,6 +7,7 @@ the checks at Qwen3-0.6B..8B widths in bf16 / fp16. The kernels round to the act
 dtype wherever torch does, so the tolerances are a couple of ulps of that dtype.
 """
 
+import dataclasses
 import importlib
 import os
 
@@ -15,10 +17,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
-fused = importlib.import_module("nanovllm.model.layers.fused")
-norm = importlib.import_module("nanovllm.model.layers.norm")
-rotary = importlib.import_module("nanovllm.model.layers.rotary")
-activation = importlib.import_module("nanovllm.model.layers.activation")
+fused = importlib.import_module("nanovllm.kernels.triton_ops")
+ref = importlib.import_module("nanovllm.kernels.torch_ops")
+from nanovllm.kernels import select_kernels  # noqa: E402
+from nanovllm.model.layers.rotary import RotaryEmbedding  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -44,7 +46,7 @@ def norm_weight(n: int, dtype=torch.float32, device=DEVICE, seed=1) -> torch.Ten
 
 
 def rope_tables(head_dim: int, max_position: int, device=DEVICE):
-    rope = rotary.RotaryEmbedding(head_dim, max_position, 10000.0, None).to(device)
+    rope = RotaryEmbedding(head_dim, max_position, 10000.0, None, select_kernels()).to(device)
     return rope.cos, rope.sin
 
 
@@ -54,8 +56,8 @@ def reference_qk(qkv, sizes, heads, positions, cos, sin, qw, kw, eps):
     (hq, hkv, d) = heads
     q, k = q.reshape(-1, hq, d), k.reshape(-1, hkv, d)
     if qw is not None:
-        q, k = norm.rms_norm(q, qw, eps), norm.rms_norm(k, kw, eps)
-    return rotary.apply_rotary(positions, q, k, cos, sin)
+        q, k = ref.rms_norm(q, qw, eps), ref.rms_norm(k, kw, eps)
+    return ref.apply_rotary(positions, q, k, cos, sin)
 
 
 def check_qk_norm_rope(tokens, hq, hkv, d, with_norm, dtype, device=DEVICE, max_pos=97):
@@ -96,7 +98,7 @@ def check_qk_norm_rope(tokens, hq, hkv, d, with_norm, dtype, device=DEVICE, max_
 def test_rms_norm(rows, width, dtype):
     x = randn(rows, width, dtype=dtype) * 3
     w = norm_weight(width, dtype)
-    close(fused.rms_norm(x, w, 1e-6), norm.rms_norm(x, w, 1e-6))
+    close(fused.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
 
 
 def test_rms_norm_strided_3d_input():
@@ -104,7 +106,7 @@ def test_rms_norm_strided_3d_input():
     w = norm_weight(32)
     out = fused.rms_norm(x, w, 1e-5)
     assert out.shape == x.shape and out.is_contiguous()
-    close(out, norm.rms_norm(x, w, 1e-5))
+    close(out, ref.rms_norm(x, w, 1e-5))
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -114,7 +116,7 @@ def test_add_rms_norm_updates_residual_in_place(rows, width, dtype):
     residual = randn(rows, width, dtype=dtype, seed=2) * 2
     w = norm_weight(width, dtype)
     x_before, res_before = x.clone(), residual.clone()
-    expected_out, expected_res = norm.add_rms_norm(x_before, res_before, w, 1e-6)
+    expected_out, expected_res = ref.add_rms_norm(x_before, res_before, w, 1e-6)
 
     out, new_res = fused.add_rms_norm(x, residual, w, 1e-6)
     assert new_res is residual, "a contiguous residual of the right dtype is updated in place"
@@ -129,7 +131,7 @@ def test_add_rms_norm_strided_residual_gets_a_new_tensor():
     res_before = residual.clone()
     w = norm_weight(40)
     out, new_res = fused.add_rms_norm(x, residual, w, 1e-6)
-    expected_out, expected_res = norm.add_rms_norm(x, res_before, w, 1e-6)
+    expected_out, expected_res = ref.add_rms_norm(x, res_before, w, 1e-6)
     assert new_res is not residual and torch.equal(residual, res_before)
     close(out, expected_out)
     close(new_res, expected_res)
@@ -153,7 +155,7 @@ def test_qk_norm_rope_int32_positions_and_empty_batch():
     cos, sin = rope_tables(16, 20)
     q, k = randn(3, 2, 16, seed=1), randn(3, 1, 16, seed=2)
     pos = torch.tensor([19, 0, 7], device=DEVICE)
-    expected = rotary.apply_rotary(pos, q, k, cos, sin)
+    expected = ref.apply_rotary(pos, q, k, cos, sin)
     out = fused.qk_norm_rope(q.clone(), k.clone(), pos.to(torch.int32), cos, sin)
     close(out[0], expected[0])
     close(out[1], expected[1])
@@ -165,23 +167,23 @@ def test_qk_norm_rope_int32_positions_and_empty_batch():
 @pytest.mark.parametrize("rows,width", [(1, 40), (4, 1500)])  # 1500: two column programs
 def test_silu_and_mul(rows, width, dtype):
     x = randn(rows, 2 * width, dtype=dtype) * 3
-    close(fused.silu_and_mul(x), activation.silu_and_mul(x))
+    close(fused.silu_and_mul(x), ref.silu_and_mul(x))
 
 
-def test_switch_and_dispatch(monkeypatch):
-    x = randn(2, 8)
-    if not HAS_CUDA:
-        assert norm.fused_ops(x) is None, "CPU tensors take the torch path by default"
-    monkeypatch.setattr(norm, "FUSED_DEVICES", {"cuda", "cpu"})
-    assert norm.fused_ops(x) is fused
-    try:
-        fused.set_enabled(False)
-        assert not fused.enabled() and norm.fused_ops(x) is None
-    finally:
-        fused.set_enabled(True)
+def test_kernel_choice_is_a_value_not_a_switch():
+    triton = select_kernels("triton", "torch")
+    torch_ = select_kernels("torch", "torch")
+    assert triton.rms_norm is fused.rms_norm and triton.qk_norm_rope is fused.qk_norm_rope
+    assert triton.sample_one_pass is not None
+    assert torch_.rms_norm is ref.rms_norm and torch_.sample_one_pass is None
+    assert select_kernels("triton", "torch") is triton, "equal choices share their callables"
+    compiled = select_kernels("compiled", "torch")
+    assert compiled.rms_norm is not ref.rms_norm and compiled.sample_one_pass is None
+    with pytest.raises(ValueError, match="unknown kernels"):
+        select_kernels("cuda", "torch")
 
 
-def tiny_qwen3(qk_norm: bool):
+def tiny_qwen3(qk_norm: bool, kernels):
     from nanovllm.model.config import ModelConfig
     from nanovllm.model.models.llama import LlamaForCausalLM
 
@@ -204,7 +206,7 @@ def tiny_qwen3(qk_norm: bool):
         dtype="float32",
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg, max_position=32)
+    model = LlamaForCausalLM(cfg, max_position=32, kernels=kernels)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(
@@ -214,7 +216,7 @@ def tiny_qwen3(qk_norm: bool):
 
 
 def prefill_meta(lens: list[int], block_size: int):
-    from nanovllm.model.attention.metadata import AttentionMetadata
+    from nanovllm.kernels.attention_metadata import AttentionMetadata
 
     blocks = [-(-n // block_size) for n in lens]
     tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
@@ -238,15 +240,14 @@ def prefill_meta(lens: list[int], block_size: int):
 
 
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
-def test_tiny_model_logits_same_with_fusion_on_and_off(monkeypatch, qk_norm):
-    model = tiny_qwen3(qk_norm)
+def test_tiny_model_logits_same_with_fusion_on_and_off(qk_norm):
     lens, block_size = [5, 3], 4
     meta, num_blocks = prefill_meta(lens, block_size)
     ids = torch.randint(0, 64, (sum(lens),), generator=torch.Generator().manual_seed(7))
     ids = ids.to(DEVICE)
     positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
 
-    def logits() -> torch.Tensor:
+    def logits(model) -> torch.Tensor:
         for attn in model.attention_layers():  # a fresh cache per run
             shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = torch.zeros(shape, device=DEVICE)
@@ -255,25 +256,23 @@ def test_tiny_model_logits_same_with_fusion_on_and_off(monkeypatch, qk_norm):
             return model.compute_logits(model(ids, positions, meta))
 
     calls = {name: 0 for name in ("rms_norm", "add_rms_norm", "qk_norm_rope", "silu_and_mul")}
-    for name in calls:
-        original = getattr(fused, name)
 
-        def counted(*args, _name=name, _fn=original, **kw):
-            calls[_name] += 1
-            return _fn(*args, **kw)
+    def counted(name):
+        def call(*args, **kw):
+            calls[name] += 1
+            return getattr(fused, name)(*args, **kw)
 
-        monkeypatch.setattr(fused, name, counted)
-    monkeypatch.setattr(norm, "FUSED_DEVICES", {"cuda", "cpu"})  # force the kernels on CPU
-    try:
-        fused.set_enabled(False)
-        unfused = logits()
-        assert not any(calls.values())
-        fused.set_enabled(True)
-        with_fusion = logits()
-    finally:
-        fused.set_enabled(True)
+        return call
+
+    # the fused model's ops, counted; the same weights (same seed) with torch's
+    kernels = dataclasses.replace(
+        select_kernels("triton", "torch"), **{name: counted(name) for name in calls}
+    )
+    unfused = logits(tiny_qwen3(qk_norm, select_kernels("torch", "torch")))
+    assert not any(calls.values())
+    with_fusion = logits(tiny_qwen3(qk_norm, kernels))
     # per layer: 2 norms (the first layer's first one without a residual), 1 q/k, 1 MLP
-    layers = model.config.num_hidden_layers
+    layers = 2
     assert calls == {
         "rms_norm": 1,
         "add_rms_norm": 2 * layers,
@@ -299,8 +298,8 @@ def test_gpu_norms(rows, width, dtype):
     x = randn(rows, width, dtype=dtype, seed=1)
     residual = randn(rows, width, dtype=dtype, seed=2)
     w = norm_weight(width, dtype)
-    close(fused.rms_norm(x, w, 1e-6), norm.rms_norm(x, w, 1e-6))
-    expected_out, expected_res = norm.add_rms_norm(x, residual.clone(), w, 1e-6)
+    close(fused.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+    expected_out, expected_res = ref.add_rms_norm(x, residual.clone(), w, 1e-6)
     out, new_res = fused.add_rms_norm(x, residual, w, 1e-6)
     close(out, expected_out)
     close(new_res, expected_res)
@@ -323,4 +322,4 @@ def test_gpu_qk_norm_rope(tokens, hq, hkv, d, with_norm, dtype):
 @pytest.mark.parametrize("width", [3072, 4864, 12288])
 def test_gpu_silu_and_mul(rows, width, dtype):
     x = randn(rows, 2 * width, dtype=dtype) * 3
-    close(fused.silu_and_mul(x), activation.silu_and_mul(x))
+    close(fused.silu_and_mul(x), ref.silu_and_mul(x))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nanovllm.core.sampling_params import SamplingParams
+from nanovllm.kernels import select_kernels
 from nanovllm.model.layers.sampler import (
     SamplerOutput,
     SamplingTensors,
@@ -13,7 +14,7 @@ from nanovllm.model.layers.sampler import (
     sample,
     seeded_exponentials,
 )
-from nanovllm.worker.sampling_metadata import build_sampling_tensors
+from nanovllm.worker.sampling import build_sampling_tensors
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # well-separated probabilities (no ties, no filter boundary close to a cumulative sum)
@@ -38,7 +39,9 @@ def run(
     prompts = prompts if prompts is not None else [[] for _ in params]
     outputs = outputs if outputs is not None else [[] for _ in params]
     t = build_sampling_tensors(params, prompts, outputs, set(eos), logits.shape[-1], device)
-    return sample(logits.to(device), t)
+    # on CUDA as an engine samples there: batches that fit it in the one-pass kernel
+    one_pass = select_kernels("triton").sample_one_pass if device == "cuda" else None
+    return sample(logits.to(device), t, one_pass)
 
 
 def reference_probs(

@@ -16,9 +16,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
-tb = importlib.import_module("nanovllm.model.attention.triton_backend")
-ref = importlib.import_module("nanovllm.model.attention.torch_backend")
-AttentionMetadata = importlib.import_module("nanovllm.model.attention.metadata").AttentionMetadata
+tb = importlib.import_module("nanovllm.kernels.triton_attention")
+ref = importlib.import_module("nanovllm.kernels.torch_attention")
+AttentionMetadata = importlib.import_module("nanovllm.kernels.attention_metadata").AttentionMetadata
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"  # the small tests run compiled on a GPU machine

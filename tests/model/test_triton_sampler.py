@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
-ts = importlib.import_module("nanovllm.model.layers.triton_sampler")
+ts = importlib.import_module("nanovllm.kernels.triton_sampling")
 from tests.model.test_sampler import SMALL, assert_matches  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

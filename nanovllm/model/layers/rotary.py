@@ -4,8 +4,7 @@ import torch
 from torch import nn
 
 from nanovllm.core.errors import ModelLoadError
-from nanovllm.model.layers.compile import maybe_compiled
-from nanovllm.model.layers.norm import fused_ops
+from nanovllm.kernels import Kernels
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -34,39 +33,18 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate halves) from a cos/sin table indexed by position."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None,
+                 kernels: Kernels):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.kernels = kernels
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
         """RoPE on q [T, Hq, D] and k [T, Hkv, D], after the per-head RMSNorms of Qwen3
-        when given; on CUDA one fused kernel does both, in place on q and k."""
-        ops = fused_ops(q)
-        if ops is not None:
-            norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
-            return ops.qk_norm_rope(q, k, positions, self.cos, self.sin, *norms)
-        if q_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        return apply_rotary(positions, q, k, self.cos, self.sin)
-
-
-@maybe_compiled
-def apply_rotary(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_table: torch.Tensor,
-    sin_table: torch.Tensor,
-):
-    cos = cos_table[positions].unsqueeze(1).to(q.dtype)
-    sin = sin_table[positions].unsqueeze(1).to(q.dtype)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        when given (the Triton kernel does both in one pass, in place on q and k)."""
+        norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        return self.kernels.qk_norm_rope(q, k, positions, self.cos, self.sin, *norms)

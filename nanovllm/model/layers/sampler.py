@@ -1,8 +1,7 @@
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from nanovllm.model.layers.norm import fused_ops
 
 _M32 = 0xFFFFFFFF
 _TINY = torch.finfo(torch.float32).tiny
@@ -56,15 +55,21 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # float32 [B, max_logprobs]
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, t: SamplingTensors, one_pass: Callable | None = None
+) -> SamplerOutput:
     """Pick one token per row of `logits` [B, V], with no host sync.
+
+    `one_pass` (the engine's `Kernels.sample_one_pass`, or None) samples batches of greedy
+    and plain-temperature rows in one pass over the logits.
 
     Order: penalties, min_tokens mask, then argmax for greedy rows; other rows divide
     by temperature, apply top-k, top-p, min-p and draw by an exponential race.
     Log-probs follow vLLM's default ("raw_logprobs"): log_softmax of the logits as
     the model returned them, before penalties, masks, temperature and filters.
     """
-    one_pass = _one_pass_kernel(logits, t)
+    if not _fits_one_pass(logits, t):
+        one_pass = None
     plain = t.output_token_counts is None and t.min_tokens_mask is None
     want_logprobs = t.any_logprobs or t.max_logprobs > 0
     # the float32 copy is needed for penalties, masks, logprobs and the torch path
@@ -91,17 +96,11 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     return out
 
 
-def _one_pass_kernel(logits: torch.Tensor, t: SamplingTensors):
-    """The Triton one-pass sampler when it can serve this batch on this device, else None:
-    greedy and temperature rows only (no top-k/top-p/min-p, no seeded rows)."""
-    # the same switch as the other fused kernels (EngineConfig.fused_kernels)
-    if fused_ops(logits) is None or logits.stride(-1) != 1:
-        return None
-    if not t.all_greedy and (t.any_top_k or t.any_top_p or t.any_min_p or t.any_seeded):
-        return None
-    from nanovllm.model.layers.triton_sampler import gumbel_argmax
-
-    return gumbel_argmax
+def _fits_one_pass(logits: torch.Tensor, t: SamplingTensors) -> bool:
+    """Greedy and temperature rows only (no top-k/top-p/min-p, no seeded rows)."""
+    if logits.stride(-1) != 1:
+        return False
+    return t.all_greedy or not (t.any_top_k or t.any_top_p or t.any_min_p or t.any_seeded)
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

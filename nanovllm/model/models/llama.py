@@ -3,9 +3,9 @@
 import torch
 from torch import nn
 
-from nanovllm.model.attention.metadata import AttentionMetadata
+from nanovllm.kernels import Kernels
+from nanovllm.kernels.attention_metadata import AttentionMetadata
 from nanovllm.model.config import ModelConfig
-from nanovllm.model.layers.activation import SiluAndMul
 from nanovllm.model.layers.attention import Attention
 from nanovllm.model.layers.embedding import LMHead, VocabEmbedding
 from nanovllm.model.layers.linear import Linear, MergedLinear
@@ -14,7 +14,7 @@ from nanovllm.model.layers.rotary import RotaryEmbedding
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, kernels: Kernels) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -24,10 +24,10 @@ class DecoderAttention(nn.Module):
         )
         self.o_proj = Linear(q_size, cfg.hidden_size)
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, kernels)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
         else:
             self.q_norm = self.k_norm = None
         self.sizes = [q_size, kv_size, kv_size]
@@ -43,24 +43,24 @@ class DecoderAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size})
         self.down_proj = Linear(size, cfg.hidden_size)
-        self.act = SiluAndMul()
+        self.silu_and_mul = kernels.silu_and_mul  # silu(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, kernels: Kernels) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, rotary)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DecoderAttention(cfg, rotary, kernels)
+        self.mlp = MLP(cfg, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def forward(self, x, residual, positions, meta):
         if residual is None:
@@ -73,12 +73,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int, kernels: Kernels) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(
+            cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, kernels
+        )
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, rotary, kernels) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
@@ -98,10 +102,11 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int, kernels: Kernels) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, max_position)
+        self.kernels = kernels
+        self.model = DecoderModel(cfg, max_position, kernels)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
 

@@ -1,5 +1,6 @@
 from torch import nn
 
+from nanovllm.kernels import Kernels
 from nanovllm.model.config import ModelConfig
 from nanovllm.model.models.llama import LlamaForCausalLM
 
@@ -11,5 +12,6 @@ MODELS: dict[str, type[nn.Module]] = {
 }
 
 
-def build_model(cfg: ModelConfig, max_position: int) -> nn.Module:
-    return MODELS[cfg.architecture](cfg, max_position)
+def build_model(cfg: ModelConfig, max_position: int, kernels: Kernels) -> nn.Module:
+    """The model of `cfg`'s architecture, its layers running `kernels`."""
+    return MODELS[cfg.architecture](cfg, max_position, kernels)

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from nanovllm.model.attention.metadata import AttentionMetadata
+from nanovllm.kernels.attention_metadata import AttentionMetadata
 
 
 def store_kv(

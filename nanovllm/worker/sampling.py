@@ -1,12 +1,101 @@
+"""A step's sampling on one rank: the batch's per-row parameters as tensors, the sampler
+(one pass over the logits for the common batch, the torch sampler otherwise), and the
+sampled tokens' logprobs as dicts once they reach the host."""
+
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from nanovllm.core.sampling_params import SamplingParams
-from nanovllm.model.layers.sampler import SamplingTensors
-from nanovllm.worker.staging import to_device
+from nanovllm.core.sequence import Sequence as Seq
+from nanovllm.kernels import Kernels
+from nanovllm.model.layers.sampler import (
+    MIN_TEMPERATURE,
+    SamplerOutput,
+    SamplingTensors,
+    sample,
+)
 
 _SEED_MASK = 2**63 - 1  # any Python int seed maps into int64's non-negative range
+
+
+class StepSampler:
+    """Samples one token per row of a step's logits on the device, with no host sync."""
+
+    def __init__(
+        self, kernels: Kernels, eos_token_ids: set[int], vocab_size: int, device: torch.device
+    ) -> None:
+        self.one_pass = kernels.sample_one_pass
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def one_pass_temperatures(self, seqs: list[Seq]) -> list[float] | None:
+        """The rows' temperatures when the one-pass kernel samples this batch (every row
+        greedy or plain temperature: the common batch), else None. They ride in the step
+        inputs' copy (worker/inputs.py): no sampling tensors to build."""
+        if self.one_pass is None:
+            return None
+        params = [s.sampling_params for s in seqs]
+        return [p.temperature for p in params] if all(p.plain for p in params) else None
+
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Seq], temperatures: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """Tokens for `seqs` (one per row of `logits`); `temperatures` on the device when
+        `one_pass_temperatures` said yes."""
+        if temperatures is not None:
+            return SamplerOutput(self.one_pass(logits, temperatures, MIN_TEMPERATURE), None)
+        params = [s.sampling_params for s in seqs]
+        if any(p.uses_penalties for p in params):
+            prompts = [s.token_ids[: s.num_prompt_tokens] for s in seqs]
+            outputs = [s.output_token_ids for s in seqs]
+        else:  # only the output lengths are read: skip copying every sequence's tokens
+            prompts = [()] * len(seqs)
+            outputs = [range(s.num_output_tokens) for s in seqs]
+        tensors = build_sampling_tensors(
+            params, prompts, outputs, self.eos_token_ids, logits.shape[-1], self.device
+        )
+        return sample(logits, tensors, self.one_pass)
+
+
+def logprob_dicts(
+    out: SamplerOutput, seqs: list[Seq], token_ids: list[int]
+) -> list[dict[int, float] | None]:
+    """Per row: {sampled id: logprob, top ids: logprobs} for rows that asked, else None
+    (reads the device: call once the step has finished)."""
+    entries: list[dict[int, float] | None] = [None] * len(seqs)
+    if out.logprobs is None:
+        return entries
+    lp = out.logprobs.tolist()
+    top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
+    top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    for i, seq in enumerate(seqs):
+        k = seq.sampling_params.logprobs
+        if k is None:
+            continue
+        entry = {token_ids[i]: lp[i]}
+        if top_ids is not None:
+            entry.update(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
+        entries[i] = entry
+    return entries
+
+
+def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list/array as a device tensor without a host sync.
+
+    A plain copy from pageable memory makes the host wait for every queued kernel, which
+    would end CPU/GPU overlap; a copy from pinned memory (torch's caching host allocator,
+    which keeps a buffer until its copy has run) is truly asynchronous.
+    """
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    if isinstance(data, np.ndarray):
+        host = torch.from_numpy(data).to(dtype).pin_memory()
+    else:
+        host = torch.tensor(data, dtype=dtype, pin_memory=True)
+    return host.to(device, non_blocking=True)
 
 
 def build_sampling_tensors(

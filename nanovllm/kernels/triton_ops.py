@@ -2,34 +2,19 @@
 
 In eager torch each of RMSNorm (with its casts), residual add + RMSNorm, Qwen3's per-head
 q/k RMSNorm, RoPE and SiLU-and-mul is several elementwise kernels; here each is one. The
-torch functions in norm.py, rotary.py and activation.py stay the reference (and the CPU
-path); these match them op for op: fp32 math where torch upcasts, and a rounding to the
-activation dtype wherever torch stores an intermediate in that dtype, so fused and unfused
-runs agree to a few ulps of the dtype.
+functions of torch_ops.py are the reference (and the CPU path); these match them op for op:
+fp32 math where torch upcasts, and a rounding to the activation dtype wherever torch stores
+an intermediate in that dtype, so fused and unfused runs agree to a few ulps of the dtype.
 
 Launch grids depend only on tensor shapes, never on device values, so every op can sit
-inside a captured CUDA graph. The layers pick these kernels through `norm.fused_ops` (on
-CUDA, while `enabled()`); the wrappers themselves accept tensors on any device, so tests
-call them on CPU under TRITON_INTERPRET=1.
-
-`set_enabled(False)` turns fusion off, to measure what it gains.
+inside a captured CUDA graph. An engine picks these kernels through `kernels.select_kernels`
+(fused_kernels on, the CUDA default); they accept tensors on any device, so tests call them
+on CPU under TRITON_INTERPRET=1.
 """
 
 import torch
 import triton
 import triton.language as tl
-
-_enabled = True
-
-
-def set_enabled(flag: bool) -> None:
-    """Switch the fused kernels on or off for every layer (on by default)."""
-    global _enabled
-    _enabled = flag
-
-
-def enabled() -> bool:
-    return _enabled
 
 
 def _pow2(n: int) -> int:
@@ -109,7 +94,7 @@ def _launch_norm(x2, r2, ro2, weight, out2, eps) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim into a new tensor; same result as `norm.rms_norm`."""
+    """RMSNorm over the last dim into a new tensor; same result as `torch_ops.rms_norm`."""
     n = x.shape[-1]
     assert weight.shape == (n,) and weight.is_contiguous()
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
@@ -120,7 +105,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual), x + residual); same result as `norm.add_rms_norm`.
+    """(RMSNorm(x + residual), x + residual); same result as `torch_ops.add_rms_norm`.
 
     The sum is written IN PLACE into `residual` (and that tensor is returned) when it is
     contiguous and already has the sum's dtype; otherwise into a new tensor. The decoder
@@ -270,7 +255,7 @@ def qk_norm_rope(
     output, a token stride of q_size + 2 * kv_size); positions: [T] integers, each a row of
     the fp32 cos / sin tables [max_position, D / 2] (not bounds-checked). With weights
     (both or neither) the result equals `RMSNorm(q)` / `RMSNorm(k)` followed by
-    `rotary.apply_rotary`, including its rounding of cos / sin and each product to q's
+    `torch_ops.apply_rotary`, including its rounding of cos / sin and each product to q's
     dtype. Returns (q, k), the same tensors.
     """
     num_tokens, num_q_heads, head_dim = q.shape

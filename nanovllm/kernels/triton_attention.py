@@ -1,4 +1,4 @@
-"""Paged attention in Triton: the CUDA backend, same contract and results as `torch_backend`.
+"""Paged attention in Triton: the CUDA backend, same contract and results as `torch_attention`.
 
 Three kernels behind two entry points:
 
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.model.attention.metadata import AttentionMetadata
+from nanovllm.kernels.attention_metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
 # _NO_RESPECIALIZE: Triton compiles a variant per integer argument that is 1 or divisible by
@@ -452,7 +452,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of q ([T, Hq, D], any strides) over each row's cached context; [T, Hq, D].
 
-    Same contract as `torch_backend.paged_attention`. `num_splits` fixes the decode KV
+    Same contract as `torch_attention.paged_attention`. `num_splits` fixes the decode KV
     splits (default: `choose_num_splits` from the row count and meta.max_context_len);
     the configs override tile sizes. See the module docstring for what a launch bakes in.
     """

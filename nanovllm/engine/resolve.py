@@ -1,0 +1,118 @@
+"""From what a user asks for (EngineConfig) to what an engine runs with (ResolvedConfig).
+
+Every automatic choice is made here, once: the device and dtype, the kernels, CUDA graphs,
+overlap, admission batching and the context length. The KV cache's size is known only once
+the model is loaded (on a GPU it is what memory is left after a profiling step), so
+`fit_kv_cache` completes the config then; nothing changes it afterwards.
+"""
+
+import dataclasses
+import os
+
+import torch
+
+from nanovllm.core.config import EngineConfig, ResolvedConfig
+from nanovllm.core.errors import ConfigError
+from nanovllm.model.config import ModelConfig
+
+GPU_ADMISSION_BATCH = 16  # with CUDA graphs, see EngineConfig.admission_batch
+
+
+def resolve_config(config: EngineConfig, model: ModelConfig) -> ResolvedConfig:
+    """Everything but the KV cache's size, which `fit_kv_cache` adds."""
+    device = _device(config.device)
+    cuda = device == "cuda"
+    context = model.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > context:
+        raise ConfigError(
+            f"max_model_len={config.max_model_len} is longer than the model's context of "
+            f"{context} tokens (max_position_embeddings); use at most {context}"
+        )
+    graphs = cuda and not config.enforce_eager
+    admission = config.admission_batch
+    if admission is None:  # graphs make decode-only steps the cheap ones
+        admission = min(GPU_ADMISSION_BATCH, config.max_num_seqs) if graphs else 1
+    return ResolvedConfig(
+        device=device,
+        dtype=_dtype(config.dtype, model.dtype, device),
+        max_model_len=config.max_model_len or context,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        block_size=config.block_size,
+        num_kv_blocks=config.num_kv_blocks,
+        kv_cache_gib=config.kv_cache_gib,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        enable_prefix_caching=config.enable_prefix_caching,
+        scheduling_policy=config.scheduling_policy,
+        admission_batch=admission,
+        admission_max_delay=config.admission_max_delay,
+        cuda_graphs=graphs,
+        overlap=cuda if config.overlap is None else config.overlap,
+        kernels=_kernels(config, cuda),
+        attention_backend=_attention(config.attention_backend, cuda),
+        seed=config.seed,
+        num_threads=config.num_threads,
+    )
+
+
+def fit_kv_cache(resolved: ResolvedConfig, asked: EngineConfig, num_blocks: int) -> ResolvedConfig:
+    """The final config once the KV cache holds `num_blocks` blocks: an automatic
+    max_model_len shrinks to what the cache holds; an explicit one must fit."""
+    tokens = num_blocks * resolved.block_size
+    max_model_len = resolved.max_model_len
+    if asked.max_model_len is None:
+        max_model_len = min(max_model_len, tokens)
+    elif max_model_len > tokens:
+        raise ConfigError(
+            f"the KV cache holds {tokens} tokens but max_model_len={max_model_len} needs at "
+            "least that many for one sequence; lower max_model_len or give the cache more "
+            "memory (num_kv_blocks, kv_cache_gib, gpu_memory_utilization)"
+        )
+    return dataclasses.replace(resolved, num_kv_blocks=num_blocks, max_model_len=max_model_len)
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but no CUDA GPU is visible; use device='cpu' or 'auto'")
+    return name
+
+
+def _dtype(name: str, model_dtype: str, device: str) -> str:
+    if name == "auto":
+        # CPUs are fastest and exact in float32; GPUs use the checkpoint's half dtype
+        name = "float32" if device == "cpu" else model_dtype
+        if device == "cuda" and name == "float32":
+            name = "bfloat16"
+    if name == "bfloat16" and device == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("this GPU does not support bfloat16; use dtype='float16'")
+    return name
+
+
+def _triton_runs(cuda: bool) -> bool:
+    # on a CPU, Triton kernels run only in its interpreter (slow: for tests)
+    return cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernels(config: EngineConfig, cuda: bool) -> str:
+    fused = cuda if config.fused_kernels is None else config.fused_kernels
+    if fused and not _triton_runs(cuda):
+        raise ConfigError(
+            "fused_kernels=True needs a CUDA GPU (on a CPU, Triton's interpreter: set "
+            "TRITON_INTERPRET=1); leave it unset to use them where they run"
+        )
+    if fused:
+        return "triton"
+    return "compiled" if config.torch_compile else "torch"
+
+
+def _attention(name: str, cuda: bool) -> str:
+    if name == "auto":
+        return "triton" if cuda else "torch"
+    if name == "triton" and not _triton_runs(cuda):
+        raise ConfigError(
+            "attention_backend='triton' needs a CUDA GPU (on a CPU, Triton's interpreter: set "
+            "TRITON_INTERPRET=1); use 'auto' or 'torch'"
+        )
+    return name

@@ -1,0 +1,59 @@
+"""The kernels a model runs, chosen once per engine: no module globals decide them.
+
+Every operation has a plain-torch implementation (`torch_ops`, `torch_attention`: the CPU
+path and the reference) and a Triton one (`triton_ops`, `triton_attention`,
+`triton_sampling`: the CUDA path, also run by tests in Triton's CPU interpreter). The small
+elementwise ops have a third choice, `torch.compile` of the torch ones.
+
+An engine resolves its settings (EngineConfig.fused_kernels, torch_compile,
+attention_backend) into one `Kernels` and passes it to the model when it is built, so two
+engines in one process run what each asked for. Triton modules are imported only when
+chosen: a CPU install without triton never loads them.
+"""
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+OPS = ("triton", "torch", "compiled")  # norms, RoPE, SiLU (and the one-pass sampler)
+ATTENTION = ("triton", "torch")  # paged attention and the K/V store
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """One engine's choice of kernels, as the callables the layers call."""
+
+    ops: str  # one of OPS
+    attention: str  # one of ATTENTION
+    rms_norm: Callable
+    add_rms_norm: Callable  # the Triton one updates `residual` in place (triton_ops.py)
+    qk_norm_rope: Callable  # the Triton one works in place on q and k
+    silu_and_mul: Callable
+    store_kv: Callable
+    paged_attention: Callable
+    # greedy / plain-temperature batches sampled in one pass over the logits; None: torch
+    sample_one_pass: Callable | None
+
+
+@functools.cache  # equal choices share callables (and compiled graphs)
+def select_kernels(ops: str = "torch", attention: str = "torch") -> Kernels:
+    """The kernels for `ops` (one of OPS) and `attention` (one of ATTENTION)."""
+    if ops not in OPS or attention not in ATTENTION:
+        raise ValueError(f"unknown kernels ops={ops!r} attention={attention!r}")
+    if attention == "triton":
+        from nanovllm.kernels import triton_attention as attn
+    else:
+        from nanovllm.kernels import torch_attention as attn
+    one_pass = None
+    if ops == "triton":
+        from nanovllm.kernels import triton_ops as impl
+        from nanovllm.kernels.triton_sampling import gumbel_argmax as one_pass
+    else:
+        from nanovllm.kernels import torch_ops as impl
+    fns = [impl.rms_norm, impl.add_rms_norm, impl.qk_norm_rope, impl.silu_and_mul]
+    if ops == "compiled":
+        import torch
+
+        # each is several small kernels eagerly and one fused kernel compiled
+        fns = [torch.compile(fn, dynamic=True, fullgraph=True) for fn in fns]
+    return Kernels(ops, attention, *fns, attn.store_kv, attn.paged_attention, one_pass)

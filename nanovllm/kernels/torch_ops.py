@@ -1,0 +1,62 @@
+"""The small per-token ops of a decoder layer in plain torch: the CPU path, the reference the
+fused Triton kernels (triton_ops.py) are tested against, and what torch.compile fuses when
+an engine asks for it."""
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 and cast back before the weight."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual)."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def apply_rotary(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE (rotate halves) of q [T, Hq, D] and k [T, Hkv, D] by position."""
+    cos = cos_table[positions].unsqueeze(1).to(q.dtype)
+    sin = sin_table[positions].unsqueeze(1).to(q.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optional per-head RMSNorm of q and k (Qwen3's q_norm / k_norm), then RoPE."""
+    if q_weight is not None:
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    return apply_rotary(positions, q, k, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up over the merged [gate | up] projection."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,69 @@
+"""Kernels are chosen per engine, not per process: two engines in one process each run what
+they asked for, and both agree with transformers. On the CPU the Triton kernels run in
+Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py)."""
+
+import importlib
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.core.errors import ConfigError
+from tests.support import hf_greedy, make_prompts
+
+pytest.importorskip("triton")
+triton_ops = importlib.import_module("nanovllm.kernels.triton_ops")
+triton_attention = importlib.import_module("nanovllm.kernels.triton_attention")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+ENGINE = dict(device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+
+
+def counting(monkeypatch, module, name: str) -> list[int]:
+    """Count calls of `module.name` (a function the kernels look up when they run)."""
+    calls = [0]
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_two_engines_in_one_process_each_run_their_kernels(tiny_llama, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    fused = LLM(str(tiny_llama), fused_kernels=True, attention_backend="triton", **ENGINE)
+    plain = LLM(str(tiny_llama), **ENGINE)  # built second: a global switch would win here
+    assert (fused.engine.config.kernels, fused.engine.config.attention_backend) == (
+        "triton", "triton")
+    assert (plain.engine.config.kernels, plain.engine.config.attention_backend) == (
+        "torch", "torch")
+    for llm in (fused, plain):  # every layer holds its own engine's choice
+        kernels = llm.engine.runner.kernels
+        holders = [m for m in llm.engine.runner.model.modules() if hasattr(m, "kernels")]
+        assert holders and all(m.kernels is kernels for m in holders)
+
+    norms = counting(monkeypatch, triton_ops, "_launch_norm")
+    attention = counting(monkeypatch, triton_attention, "_launch_decode")
+    prompts = make_prompts(seed=11, count=3)
+    plain_out = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    assert norms == [0] and attention == [0], "the torch engine ran a Triton kernel"
+    fused_out = [o.token_ids for o in fused.generate(prompts, GREEDY, use_tqdm=False)]
+    assert norms[0] > 0 and attention[0] > 0, "the fused engine did not run its kernels"
+    again = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    assert again == plain_out
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    expected = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+    assert plain_out == expected and fused_out == expected
+
+
+def test_triton_on_a_cpu_needs_the_interpreter(tiny_llama, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET"):
+        LLM(str(tiny_llama), fused_kernels=True, **ENGINE)
+    with pytest.raises(ConfigError, match="attention_backend"):
+        LLM(str(tiny_llama), attention_backend="triton", **ENGINE)
