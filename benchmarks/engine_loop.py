@@ -24,8 +24,8 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.core.config import EngineConfig
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.engine_proc import AddRequest, start_engine
-from nanovllm.engine.messages import EngineProcessConfig
+from nanovllm.engine.engine_proc import start_engine
+from nanovllm.engine.messages import AddRequest, EngineProcessConfig, Outputs, Ready, Shutdown
 from nanovllm.engine.tokenizer import Tokenizer
 
 
@@ -48,8 +48,8 @@ def run_engine_proc(args, kwargs: dict, warm_reqs, reqs, stream: bool = True) ->
     proc, conn = start_engine(EngineProcessConfig(args.model, EngineConfig(**kwargs), None))
     tok = Tokenizer.from_pretrained_dir(Path(args.model))
     try:
-        kind, info = conn.recv()
-        assert kind == "ready", info
+        ready = conn.recv()
+        assert isinstance(ready, Ready), ready
         for warm, batch in ((True, warm_reqs), (False, reqs)):  # as serve.py's warm-up
 
             def send_all(warm=warm, batch=batch):  # from a thread, as the front end does
@@ -57,7 +57,7 @@ def run_engine_proc(args, kwargs: dict, warm_reqs, reqs, stream: bool = True) ->
                     p = params(4 if warm else n, args.temperature)
                     rid = f"{'w' if warm else 'r'}{i}"
                     # as the front end sends a stream without stop strings: it decodes
-                    conn.send(("add", AddRequest(rid, ids, p, stream=stream, detokenize=False)))
+                    conn.send(AddRequest(rid, ids, p, stream=stream, detokenize=False))
 
             start = time.perf_counter()
             sender = threading.Thread(target=send_all)
@@ -66,8 +66,8 @@ def run_engine_proc(args, kwargs: dict, warm_reqs, reqs, stream: bool = True) ->
             detoks: dict[str, IncrementalDetokenizer] = {}
             while left:
                 msg = conn.recv()
-                if msg[0] == "out":
-                    for d in msg[1]:
+                if isinstance(msg, Outputs):
+                    for d in msg.deltas:
                         detok = detoks.get(d.request_id)
                         if detok is None:
                             detok = detoks[d.request_id] = IncrementalDetokenizer(tok)
@@ -76,7 +76,7 @@ def run_engine_proc(args, kwargs: dict, warm_reqs, reqs, stream: bool = True) ->
                         left -= d.finish_reason is not None
             elapsed = time.perf_counter() - start
             sender.join()
-        conn.send(("shutdown",))
+        conn.send(Shutdown())
         proc.join(30)
         return tokens / elapsed
     finally:

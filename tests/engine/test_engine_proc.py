@@ -1,6 +1,6 @@
 """The server's engine process, driven over its pipe without HTTP: streamed deltas add up
 to the offline text, stop strings are never leaked, aborts and timeouts free every block,
-and a full waiting queue rejects with 429."""
+and a full waiting queue rejects as overloaded, with a retry time."""
 
 import time
 
@@ -8,8 +8,22 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.core.config import EngineConfig
-from nanovllm.engine.engine_proc import AddRequest, start_engine
-from nanovllm.engine.messages import EngineProcessConfig
+from nanovllm.engine.engine_proc import start_engine
+from nanovllm.engine.messages import (
+    AbortRequest,
+    Accepted,
+    AddRequest,
+    Delta,
+    EngineProcessConfig,
+    Outputs,
+    Ready,
+    Rejected,
+    RejectReason,
+    Shutdown,
+    StatsQuery,
+    StatsReply,
+)
+from nanovllm.engine.outbox import Outbox
 
 ENGINE = dict(device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
 
@@ -18,10 +32,10 @@ ENGINE = dict(device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens
 def engine(tiny_llama):
     proc, conn = start_engine(EngineProcessConfig(str(tiny_llama), EngineConfig(**ENGINE), 4))
     assert conn.poll(120), "engine did not start"
-    kind, info = conn.recv()
-    assert kind == "ready", info
-    yield conn, info
-    conn.send(("shutdown",))
+    ready = conn.recv()
+    assert isinstance(ready, Ready), ready
+    yield conn, ready.info
+    conn.send(Shutdown())
     proc.join(10)
     if proc.is_alive():
         proc.kill()
@@ -30,32 +44,33 @@ def engine(tiny_llama):
 def collect(conn, ids, until_done=True, timeout=60.0):
     """Read messages until every request in `ids` has finished (or been answered)."""
     deltas: dict[str, list] = {i: [] for i in ids}
-    replies: dict[str, tuple] = {}
+    replies: dict[str, Accepted | Rejected] = {}
     open_ = set(ids)
     end = time.monotonic() + timeout
     while open_ and time.monotonic() < end:
         if not conn.poll(0.5):
             continue
-        msg = conn.recv()
-        if msg[0] in ("accepted", "rejected"):
-            replies[msg[1]] = msg
-            if msg[0] == "rejected":
-                open_.discard(msg[1])
-        elif msg[0] == "out":
-            for d in msg[1]:
-                deltas[d.request_id].append(d)
-                if d.finish_reason is not None:
-                    open_.discard(d.request_id)
+        match conn.recv():
+            case Accepted(request_id=rid) as reply:
+                replies[rid] = reply
+            case Rejected(request_id=rid) as reply:
+                replies[rid] = reply
+                open_.discard(rid)
+            case Outputs(deltas=deltas_):
+                for d in deltas_:
+                    deltas[d.request_id].append(d)
+                    if d.finish_reason is not None:
+                        open_.discard(d.request_id)
     assert not open_, f"requests never finished: {open_}"
     return deltas, replies
 
 
 def stats(conn):
-    conn.send(("stats", "t"))
+    conn.send(StatsQuery(0))
     while True:
         msg = conn.recv()
-        if msg[0] == "stats":
-            return msg[2]
+        if isinstance(msg, StatsReply):
+            return msg.stats
 
 
 def test_streamed_deltas_equal_offline_text_and_hold_back_stop_prefixes(engine, tiny_llama):
@@ -66,14 +81,14 @@ def test_streamed_deltas_equal_offline_text_and_hold_back_stop_prefixes(engine, 
     # a stop string taken from the middle of one offline text: it must end that request
     stop = offline[0].text[4:7]
     for i, p in enumerate(prompts):
-        conn.send(("add", AddRequest(f"s{i}", p, params, stream=True)))
-    conn.send(("add", AddRequest("stop", prompts[0], SamplingParams(
-        temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]), stream=True)))
+        conn.send(AddRequest(f"s{i}", p, params, stream=True))
+    conn.send(AddRequest("stop", prompts[0], SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]), stream=True))
     deltas, replies = collect(conn, ["s0", "s1", "s2", "stop"])
     # a stream the front end decodes itself: ids only (the engine does not decode it)
-    conn.send(("add", AddRequest("ids", prompts[1], params, detokenize=False)))
+    conn.send(AddRequest("ids", prompts[1], params, detokenize=False))
     deltas |= collect(conn, ["ids"])[0]
-    assert all(r[0] == "accepted" for r in replies.values())
+    assert all(isinstance(r, Accepted) for r in replies.values())
     for i, out in enumerate(offline):
         ds = deltas[f"s{i}"]
         assert "".join(d.text for d in ds) == out.text
@@ -94,41 +109,33 @@ def test_streamed_deltas_equal_offline_text_and_hold_back_stop_prefixes(engine, 
 def test_abort_timeout_and_backpressure_free_every_block(engine):
     conn, info = engine
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    conn.send(("add", AddRequest("a", [1, 2, 3], long)))
-    conn.send(("add", AddRequest("t", [4, 5, 6], long, timeout=0.0)))
-    conn.send(("abort", "a"))
+    conn.send(AddRequest("a", [1, 2, 3], long))
+    conn.send(AddRequest("t", [4, 5, 6], long, timeout=0.0))
+    conn.send(AbortRequest("a"))
     deltas, _ = collect(conn, ["t"])
     assert deltas["t"][-1].finish_reason == "timeout"
     # fill every running row, then the waiting queue (4), then one more is refused
     for i in range(12):
-        conn.send(("add", AddRequest(f"q{i}", [7, 8, 9], long, stream=False)))
-    seen = {}
+        conn.send(AddRequest(f"q{i}", [7, 8, 9], long, stream=False))
+    seen: dict[str, Accepted | Rejected] = {}
     end = time.monotonic() + 30
     while len(seen) < 12 and time.monotonic() < end:
         if conn.poll(0.5):
             msg = conn.recv()
-            if msg[0] in ("accepted", "rejected"):
-                seen[msg[1]] = msg
-    rejected = [m for m in seen.values() if m[0] == "rejected"]
-    assert rejected and all(m[2] == 429 and "max-num-waiting" in m[3] for m in rejected)
-    assert all(1 <= m[4] <= 60 for m in rejected)  # Retry-After seconds
+            if isinstance(msg, Accepted | Rejected):
+                seen[msg.request_id] = msg
+    rejected = [m for m in seen.values() if isinstance(m, Rejected)]
+    assert rejected and all(
+        m.reason is RejectReason.OVERLOADED and "max-num-waiting" in m.message for m in rejected
+    )
+    assert all(1 <= m.retry_after <= 60 for m in rejected)  # Retry-After seconds
     for rid, m in seen.items():
-        if m[0] == "accepted":
-            conn.send(("abort", rid))
+        if isinstance(m, Accepted):
+            conn.send(AbortRequest(rid))
     s = stats(conn)
-    assert s["num_free_kv_blocks"] == s["num_kv_blocks"] == info["num_kv_blocks"]
-    assert s["num_requests_running"] == s["num_requests_waiting"] == 0
-    assert s["finished"]["abort"] >= 1 and s["finished"]["timeout"] == 1
-
-
-def test_served_name_keeps_dots_in_directory_names(tmp_path):
-    from nanovllm.engine.engine_proc import served_name
-
-    (tmp_path / "Qwen3-0.6B").mkdir()
-    (tmp_path / "model.Q4_1.gguf").write_bytes(b"")
-    assert served_name(str(tmp_path / "Qwen3-0.6B")) == "Qwen3-0.6B"
-    assert served_name(str(tmp_path / "model.Q4_1.gguf")) == "model.Q4_1"
-    assert served_name(None) == "SmolLM2-135M-Instruct"
+    assert s.num_free_kv_blocks == s.num_kv_blocks == info.num_kv_blocks
+    assert s.num_requests_running == s.num_requests_waiting == 0
+    assert s.finished["abort"] >= 1 and s.finished["timeout"] == 1
 
 
 def test_outbox_never_blocks_the_engine_and_merges_what_waits():
@@ -136,8 +143,6 @@ def test_outbox_never_blocks_the_engine_and_merges_what_waits():
     up arrives later merged per completion, in order, nothing lost."""
     import multiprocessing
     import threading
-
-    from nanovllm.engine.engine_proc import Delta, Outbox
 
     front, back = multiprocessing.Pipe(duplex=True)
     outbox = Outbox(back)
@@ -164,21 +169,21 @@ def test_outbox_never_blocks_the_engine_and_merges_what_waits():
         ended, replied = 0, False
         while ended < 2 or not replied:
             msg = front.recv()
-            if msg[0] == "stats":
+            if isinstance(msg, StatsReply):
                 replied = True  # replies overtake waiting Deltas
                 continue
             outs.append(msg)
-            ended += sum(d.finish_reason is not None for d in msg[1])
+            ended += sum(d.finish_reason is not None for d in msg.deltas)
 
     reader = threading.Thread(target=front_end)
     reader.start()
-    outbox.send(("stats", 1, {}))
+    outbox.send(StatsReply(1, None))
     while not outbox.flush(timeout=1.0):
         pass
     reader.join(10)
     assert not reader.is_alive()
     for msg in outs:
-        for d in msg[1]:
+        for d in msg.deltas:
             texts[d.index] += d.text
             tokens[d.index] += d.token_ids
             if d.finish_reason:
@@ -198,13 +203,13 @@ def test_engine_keeps_reading_while_its_replies_wait(engine):
 
     conn, _ = engine
     n = 3000  # ~1.5 MB of stats replies, far more than the pipe holds
-    sender = threading.Thread(target=lambda: [conn.send(("stats", i)) for i in range(n)])
+    sender = threading.Thread(target=lambda: [conn.send(StatsQuery(i)) for i in range(n)])
     sender.start()
     sender.join(30)
     assert not sender.is_alive(), "the engine stopped reading while its replies were unread"
     tokens = []
     while len(tokens) < n:
         msg = conn.recv()
-        if msg[0] == "stats":
-            tokens.append(msg[1])
+        if isinstance(msg, StatsReply):
+            tokens.append(msg.token)
     assert tokens == list(range(n))  # every reply, in order

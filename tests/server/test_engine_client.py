@@ -12,10 +12,12 @@ import pytest
 
 from nanovllm import SamplingParams
 from nanovllm.core.config import EngineConfig
-from nanovllm.engine.engine_proc import AddRequest, Delta
-from nanovllm.engine.messages import EngineProcessConfig
-from nanovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError
-from nanovllm.entrypoints.openai.protocol import APIError
+from nanovllm.engine.messages import AddRequest, Delta, EngineProcessConfig, RejectReason
+from nanovllm.entrypoints.openai.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    RequestRejected,
+)
 
 ENGINE = dict(device="cpu", block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
 LOOPS = [
@@ -59,7 +61,7 @@ async def stream(client: EngineClient, rid: str, ids: list[int], params) -> list
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_oversized_messages_and_bursts_pass_the_pipe(client, loop):
-    vocab = client.info["vocab_size"]
+    vocab = client.info.vocab_size
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
     async def main():
@@ -67,11 +69,13 @@ def test_oversized_messages_and_bursts_pass_the_pipe(client, loop):
         # ~600 KB pickled: larger than a socket pair's buffer, so the write must wait for
         # the engine to read; the engine then refuses it (longer than the context)
         huge = [i % (vocab - 1) + 1 for i in range(200_000)]
-        with pytest.raises(APIError) as e:
+        with pytest.raises(RequestRejected) as e:
             await asyncio.wait_for(
                 client.add(AddRequest("huge", huge, params), asyncio.Queue()), 60
             )
-        assert e.value.status == 400 and "max_model_len" in e.value.message
+        rejection = e.value.rejection
+        assert rejection.reason is RejectReason.INVALID and "max_model_len" in rejection.message
+        assert rejection.code == "context_length_exceeded" and rejection.param == "prompt"
         # a burst larger than max_num_seqs, with long prompts, while the engine steps
         prompts = [[(7 * j + i) % (vocab - 1) + 1 for i in range(120)] for j in range(40)]
         results = await asyncio.gather(
@@ -81,8 +85,8 @@ def test_oversized_messages_and_bursts_pass_the_pipe(client, loop):
             assert sum(len(d.token_ids) for d in deltas) == 6
             assert deltas[-1].finish_reason == "length"
         s = await client.stats()
-        assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
-        assert s["num_requests_running"] == s["num_requests_waiting"] == 0
+        assert s.num_free_kv_blocks == s.num_kv_blocks
+        assert s.num_requests_running == s.num_requests_waiting == 0
 
     run(loop, main)
     assert client.alive

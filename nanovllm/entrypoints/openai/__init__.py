@@ -1,2 +1,2 @@
 """The OpenAI-compatible HTTP server (`nanovllm serve`): FastAPI front end, engine in a child
-process. See api_server.py."""
+process. Start-up in launch.py, routes in app.py."""

@@ -7,18 +7,41 @@ import queue
 import threading
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
 
 from nanovllm.core.errors import NanoVLLMError
-from nanovllm.engine.engine_proc import AddRequest, Delta, start_engine
-from nanovllm.engine.messages import EngineProcessConfig
-from nanovllm.entrypoints.openai.protocol import APIError
+from nanovllm.engine.engine_proc import start_engine
+from nanovllm.engine.messages import (
+    AbortRequest,
+    Accepted,
+    AddRequest,
+    EngineInfo,
+    EngineMessage,
+    EngineProcessConfig,
+    EngineStats,
+    Fatal,
+    FrontEndMessage,
+    Outputs,
+    Ready,
+    Rejected,
+    Shutdown,
+    StatsQuery,
+    StatsReply,
+)
 
 log = logging.getLogger("nanovllm.server")
 
 
 class EngineDeadError(NanoVLLMError):
     """The engine process has exited or reported a fatal error."""
+
+
+class RequestRejected(NanoVLLMError):
+    """The engine did not queue a request; `rejection` says why (the front end maps its
+    reason to an HTTP status)."""
+
+    def __init__(self, rejection: Rejected) -> None:
+        super().__init__(rejection.message)
+        self.rejection = rejection
 
 
 class EngineClient:
@@ -31,12 +54,12 @@ class EngineClient:
     as the pipe fills (a burst of long prompts while the engine steps).
     """
 
-    def __init__(self, proc: BaseProcess, conn: Connection, info: dict[str, Any]) -> None:
+    def __init__(self, proc: BaseProcess, conn: Connection, info: EngineInfo) -> None:
         self.proc, self.conn, self.info = proc, conn, info
         self.error: str | None = None  # why the engine is gone
         self._queues: dict[str, asyncio.Queue] = {}
-        self._acks: dict[str, asyncio.Future] = {}
-        self._stats: dict[int, asyncio.Future] = {}
+        self._acks: dict[str, asyncio.Future[Accepted | Rejected]] = {}
+        self._stats: dict[int, asyncio.Future[EngineStats]] = {}
         self._tokens = itertools.count()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="engine-send", daemon=True)
@@ -53,15 +76,18 @@ class EngineClient:
                     raise EngineDeadError(
                         f"the engine process exited (code {proc.exitcode}) before it was ready"
                     )
-            msg = conn.recv()
-            if msg[0] == "fatal":
-                raise EngineDeadError(f"the engine failed to start: {msg[1]}")
-            assert msg[0] == "ready", msg
+            match conn.recv():
+                case Ready(info=info):
+                    pass
+                case Fatal(message=message):
+                    raise EngineDeadError(f"the engine failed to start: {message}")
+                case other:
+                    raise EngineDeadError(f"the engine started with {other!r}, not Ready")
         except BaseException:
             proc.terminate()
             proc.join(5)
             raise
-        return cls(proc, conn, msg[1])
+        return cls(proc, conn, info)
 
     def attach(self) -> None:
         """Start routing the engine's replies to the running event loop."""
@@ -76,36 +102,33 @@ class EngineClient:
 
     async def add(self, req: AddRequest, out: asyncio.Queue) -> None:
         """Queue `req` in the engine; its Deltas (or an EngineDeadError) go to `out`.
-        Raises APIError when the engine rejects it (429 when its waiting queue is full)."""
+        Raises RequestRejected when the engine refuses it."""
         self._check_alive()
         ack = asyncio.get_running_loop().create_future()
         self._acks[req.request_id] = ack
         self._queues[req.request_id] = out
-        self._send(("add", req))
+        self._send(req)
         try:
             reply = await ack
         finally:
             self._acks.pop(req.request_id, None)
-        if reply[0] == "rejected":
+        if isinstance(reply, Rejected):
             self._queues.pop(req.request_id, None)
-            _, _, status, message, retry_after = reply
-            headers = {"Retry-After": str(retry_after or 1)} if status == 429 else None
-            code = "rate_limit_exceeded" if status == 429 else None
-            raise APIError(status, message, code=code, headers=headers)
+            raise RequestRejected(reply)
 
     def release(self, request_id: str, abort: bool) -> None:
         """Stop routing Deltas of `request_id`; with `abort`, also end it in the engine."""
         self._queues.pop(request_id, None)
         if abort and self.error is None:
-            self._send(("abort", request_id))
+            self._send(AbortRequest(request_id))
 
-    async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
-        """A fresh snapshot of the engine's counters (see the spec's ("stats", ...) reply)."""
+    async def stats(self, timeout: float = 5.0) -> EngineStats:
+        """A fresh snapshot of the engine's queues, KV cache and counters."""
         self._check_alive()
         token = next(self._tokens)
         fut = asyncio.get_running_loop().create_future()
         self._stats[token] = fut
-        self._send(("stats", token))
+        self._send(StatsQuery(token))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
@@ -114,7 +137,7 @@ class EngineClient:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._loop = None  # the reader stops handing replies over
         if self.proc.is_alive():
-            self._send(("shutdown",))
+            self._send(Shutdown())
         self._outbox.put(None)
         self.proc.join(timeout)
         if self.proc.is_alive():
@@ -128,7 +151,7 @@ class EngineClient:
         if not self.alive:
             raise EngineDeadError(self.error or "the engine process has exited")
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: FrontEndMessage) -> None:
         self._outbox.put(msg)
 
     def _send_loop(self) -> None:
@@ -176,30 +199,30 @@ class EngineClient:
             return False
         return True
 
-    def _dispatch_all(self, msgs: list[tuple]) -> None:
+    def _dispatch_all(self, msgs: list[EngineMessage]) -> None:
         for msg in msgs:
             self._dispatch(msg)
 
-    def _dispatch(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "out":
-            deltas: list[Delta] = msg[1]
-            for d in deltas:
-                q = self._queues.get(d.request_id)
-                if q is not None:
-                    q.put_nowait(d)
-        elif kind in ("accepted", "rejected"):
-            ack = self._acks.get(msg[1])
-            if ack is not None and not ack.done():
-                ack.set_result(msg)
-        elif kind == "stats":
-            fut = self._stats.get(msg[1])
-            if fut is not None and not fut.done():
-                fut.set_result(msg[2])
-        elif kind == "fatal":
-            self._fail(f"the engine failed: {msg[1]}")
-        else:
-            log.warning("unexpected message from the engine: %r", kind)
+    def _dispatch(self, msg: EngineMessage) -> None:
+        match msg:
+            case Outputs(deltas=deltas):
+                queues = self._queues
+                for d in deltas:
+                    q = queues.get(d.request_id)
+                    if q is not None:
+                        q.put_nowait(d)
+            case Accepted(request_id=rid) | Rejected(request_id=rid):
+                ack = self._acks.get(rid)
+                if ack is not None and not ack.done():
+                    ack.set_result(msg)
+            case StatsReply(token=token, stats=stats):
+                fut = self._stats.get(token)
+                if fut is not None and not fut.done():
+                    fut.set_result(stats)
+            case Fatal(message=message):
+                self._fail(f"the engine failed: {message}")
+            case _:
+                log.warning("unexpected message from the engine: %r", msg)
 
     def _fail(self, reason: str, orderly: bool = False) -> None:
         """The engine is gone: wake every waiter with an EngineDeadError."""

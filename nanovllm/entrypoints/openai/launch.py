@@ -1,14 +1,19 @@
-"""`nanovllm serve`: start the engine process, wait until it is ready, serve HTTP."""
+"""`nanovllm serve`: check the address, start the engine process, wait until it is ready,
+serve HTTP."""
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 
+from nanovllm.core.errors import ConfigError
 from nanovllm.engine import stack_sampler
 from nanovllm.engine.messages import EngineProcessConfig
 from nanovllm.engine.tokenizer import load_tokenizer
-from nanovllm.entrypoints.openai.api_server import MAX_N, ServerConfig, build_app
+from nanovllm.entrypoints.openai.app import build_app
 from nanovllm.entrypoints.openai.engine_client import EngineClient
+from nanovllm.entrypoints.openai.serving import MAX_N, ServerConfig
 
 log = logging.getLogger("nanovllm.server")
 
@@ -25,19 +30,20 @@ class ServerSettings:
 
 
 def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
-    """Start the engine process, wait until it is ready, serve HTTP until stopped."""
+    """Start the engine process, wait until it is ready, serve HTTP until stopped. Raises
+    ConfigError, before loading anything, when host:port cannot be listened on."""
     import uvicorn
 
     from nanovllm.model.loader.source import open_model
 
     log.setLevel(logging.INFO)
+    check_address(server.host, server.port)
     tokenizer = load_tokenizer(open_model(engine.model))  # fails fast on a bad path
     log.info("starting the engine process (model %s)", engine.model or "default")
     client = EngineClient.start(engine)
     try:
-        info = client.info
         config = ServerConfig(
-            served_model_name=server.served_model_name or info["model"],
+            served_model_name=server.served_model_name or served_name(engine.model),
             api_key=server.api_key or os.environ.get("NANOVLLM_API_KEY") or None,
             max_request_bytes=server.max_request_bytes,
             max_n=min(MAX_N, engine.engine.max_num_seqs),
@@ -46,7 +52,7 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
         log.info(
             "serving %r (max_model_len %d) on http://%s:%d%s",
             config.served_model_name,
-            info["max_model_len"],
+            client.info.max_model_len,
             server.host,
             server.port,
             " (API key required)" if config.api_key else "",
@@ -62,3 +68,33 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
     finally:
         client.shutdown()
     return 0
+
+
+def check_address(host: str, port: int) -> None:
+    """Raise ConfigError unless every address of `host` can be bound at `port` now (as
+    uvicorn binds them), so a busy port fails before a model loads for minutes."""
+    try:
+        addresses = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        raise ConfigError(f"cannot resolve --host {host!r}: {e.strerror}") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                msg = f"cannot listen on {host}:{port} ({e.strerror}); pick another --port"
+                raise ConfigError(msg) from None
+
+
+def served_name(model: str | None) -> str:
+    """The model name clients use: a directory's whole name ("Qwen3-0.6B"), a file's name
+    without its extension ("SmolLM2-135M-Instruct.Q4_1" from ".gguf")."""
+    if not model:
+        return "SmolLM2-135M-Instruct"
+    path = Path(model)
+    return path.stem if path.is_file() else path.name

@@ -4,14 +4,14 @@ Engine numbers (queues, KV cache, token counters, finished requests) come from a
 snapshot taken at each scrape; latency histograms are observed here, in the front end.
 """
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from nanovllm.engine.messages import EngineStats
+
 disable_created_metrics()  # no *_created series: process start times, noise on every scrape
 
-# snapshot key -> (metric name, help)
+# EngineStats field -> (metric name, help)
 _GAUGES = {
     "num_requests_running": ("nanovllm:num_requests_running", "Requests in the running batch."),
     "num_requests_waiting": ("nanovllm:num_requests_waiting", "Requests waiting to be scheduled."),
@@ -40,7 +40,7 @@ class _EngineCollector:
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.snapshot: dict[str, Any] | None = None
+        self.snapshot: EngineStats | None = None
 
     def describe(self) -> list:
         return []  # no collect() at registration: there is no snapshot then
@@ -50,17 +50,15 @@ class _EngineCollector:
         if s is None:
             return
         for key, (name, doc) in _GAUGES.items():
-            if key in s:
-                yield _family(GaugeMetricFamily, name, doc, labels, s[key])
+            yield _family(GaugeMetricFamily, name, doc, labels, getattr(s, key))
         for key, (name, doc) in _COUNTERS.items():
-            if key in s:
-                yield _family(CounterMetricFamily, name, doc, labels, s[key])
+            yield _family(CounterMetricFamily, name, doc, labels, getattr(s, key))
         done = CounterMetricFamily(
             "nanovllm:request_success",
             "Finished requests by finish reason.",
             labels=["model_name", "finished_reason"],
         )
-        for reason, count in s.get("finished", {}).items():
+        for reason, count in s.finished.items():
             done.add_metric([self.model_name, reason], count)
         yield done
 
@@ -98,7 +96,7 @@ class Metrics:
             "nanovllm:request_queue_time_seconds", "Time waiting before first scheduled.", _LATENCY
         )
 
-    def render(self, snapshot: dict[str, Any] | None) -> bytes:
+    def render(self, snapshot: EngineStats | None) -> bytes:
         """The text exposition, with the engine numbers of `snapshot` (None: leave them out)."""
         self._engine.snapshot = snapshot
         try:

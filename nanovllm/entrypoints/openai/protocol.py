@@ -1,59 +1,16 @@
-"""OpenAI's wire format: request bodies (to SamplingParams), response shapes, error bodies."""
+"""OpenAI's wire format: request bodies (to SamplingParams) and response shapes (errors.py
+holds the error bodies)."""
 
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from nanovllm.core.errors import InvalidRequestError
 from nanovllm.core.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # top logprobs per token, as vLLM's default max_logprobs
-
-_ERROR_TYPES = {
-    401: "authentication_error",
-    429: "rate_limit_error",
-    500: "internal_server_error",
-    503: "service_unavailable",
-}
-
-
-class APIError(Exception):
-    """An error for the client: an HTTP status and OpenAI's {"error": {...}} body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        kind = _ERROR_TYPES.get(self.status, "invalid_request_error")
-        return {
-            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        }
-
-    @classmethod
-    def invalid(cls, e: InvalidRequestError) -> "APIError":
-        return cls(400, str(e), e.param, "invalid_value")
-
-    @classmethod
-    def from_validation(cls, e: ValidationError) -> "APIError":
-        errors = e.errors()
-        loc = errors[0]["loc"]
-        param = str(loc[0]) if loc else None
-        if len([x for x in errors if x["loc"][:1] == loc[:1]]) > 1:  # every union member failed
-            msg = f"{param}: the value matches none of its accepted types"
-        else:
-            msg = f"{'.'.join(str(x) for x in loc) or 'body'}: {errors[0]['msg']}"
-        return cls(400, msg, param, "invalid_value")
 
 
 class StreamOptions(BaseModel):

@@ -1,0 +1,59 @@
+"""The engine process's end of the pipe, which never makes a step wait for the front end."""
+
+import select
+from collections import deque
+from multiprocessing.connection import Connection
+
+from nanovllm.engine.messages import Delta, EngineMessage, Outputs
+
+
+class Outbox:
+    """Writes the engine's messages only while the pipe has room, so a step never blocks.
+
+    Messages are written only while `poll()` says the pipe has room (a Unix socket says so
+    once half its buffer is free); the rest wait in order for the next `flush` (when nothing
+    waits and there is room, as usual, a step's Deltas go out as one message at once). Replies
+    go first, so Accepted precedes the Deltas of its request. While the front end lags,
+    new Deltas merge into the unsent ones, one per completion: it later receives fewer,
+    larger Deltas. Everything runs on the engine's thread: a writer thread was measured to
+    cost ~5% of a host-bound engine's throughput in GIL hand-offs."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._replies: deque[EngineMessage] = deque()
+        self._deltas: dict[tuple[str, int], Delta] = {}
+        self._poll = select.poll()
+        self._poll.register(conn.fileno(), select.POLLOUT)
+
+    @property
+    def pending(self) -> bool:
+        """Whether anything waits for room in the pipe."""
+        return bool(self._replies or self._deltas)
+
+    def send(self, msg: EngineMessage) -> None:
+        """Queue a reply (anything but Deltas) ahead of waiting Deltas, and write what fits."""
+        self._replies.append(msg)
+        self.flush()
+
+    def put_deltas(self, deltas: list[Delta]) -> None:
+        """Queue a step's Deltas, merged into any unsent ones of the same completion."""
+        if not self.pending and self._poll.poll(0):
+            self.conn.send(Outputs(deltas))  # the usual case: nothing waits, room to write
+            return
+        pending = self._deltas
+        for d in deltas:
+            key = (d.request_id, d.index)
+            prev = pending.get(key)
+            pending[key] = d if prev is None else prev.merge(d)
+        self.flush()
+
+    def flush(self, timeout: float = 0.0) -> bool:
+        """Write what waits, one message at a time while the pipe has room (waiting up to
+        `timeout` seconds for it); True once nothing is left."""
+        while self.pending and self._poll.poll(timeout * 1000):
+            if self._replies:
+                self.conn.send(self._replies.popleft())
+            else:
+                deltas, self._deltas = self._deltas, {}
+                self.conn.send(Outputs(list(deltas.values())))
+        return not self.pending

@@ -1,0 +1,91 @@
+"""What every route shares: the engine client, the tokenizer, the limits and the metrics, and
+the checks that turn a request body into prompts and sampling parameters."""
+
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+from nanovllm.core.errors import InvalidRequestError
+from nanovllm.core.sampling_params import SamplingParams
+from nanovllm.core.validation import as_token_ids, check_prompt
+from nanovllm.engine.tokenizer import Tokenizer
+from nanovllm.entrypoints.openai.engine_client import EngineClient
+from nanovllm.entrypoints.openai.errors import APIError
+from nanovllm.entrypoints.openai.metrics import Metrics
+from nanovllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    flatten_messages,
+)
+
+MAX_N = 16  # completions per request, also capped by max_num_seqs
+GenerateRequest = CompletionRequest | ChatCompletionRequest
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The front end's own settings, resolved at start-up."""
+
+    served_model_name: str
+    api_key: str | None = None
+    max_request_bytes: int = 1 << 20
+    max_n: int = MAX_N
+
+
+class Server:
+    """What the routes share: the engine client, the tokenizer, limits and metrics."""
+
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer, config: ServerConfig) -> None:
+        self.client, self.tokenizer, self.config = client, tokenizer, config
+        self.model_name = config.served_model_name
+        self.max_model_len: int = client.info.max_model_len
+        self.vocab_size: int = client.info.vocab_size
+        self.metrics = Metrics(self.model_name)
+        self.created = int(time.time())
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` (when given) is the one served."""
+        if model is not None and model != self.model_name:
+            msg = f"model {model!r} does not exist; this server serves {self.model_name!r}"
+            raise APIError(404, msg, "model", "model_not_found")
+
+    def sampling_params(self, req: GenerateRequest) -> SamplingParams:
+        """The request's sampling parameters; 400 when they are invalid or n is too large."""
+        params = req.sampling_params()
+        if params.n > self.config.max_n:
+            msg = f"n={params.n} is too large; use at most {self.config.max_n}"
+            raise APIError(400, msg, "n", "invalid_value")
+        return params
+
+    def prompt_ids(self, prompt: str | list[int], max_tokens: int | None) -> list[int]:
+        """A completion prompt's token ids, checked as the engine checks them."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else as_token_ids(prompt)
+        check_prompt(ids, self.vocab_size, self.max_model_len, max_tokens, "prompt")
+        return ids
+
+    def chat_ids(self, req: ChatCompletionRequest, max_tokens: int | None) -> list[int]:
+        """A chat's rendered token ids, checked as the engine checks them."""
+        ids = self.render_chat(req)
+        check_prompt(ids, self.vocab_size, self.max_model_len, max_tokens, "messages")
+        return ids
+
+    def render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        """As LLMEngine.render_chat: the template writes any BOS itself."""
+        kwargs = getattr(req, "chat_template_kwargs", None) or {}
+        messages = flatten_messages(req.messages)
+        text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt, **kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        """/detokenize: any ids of the vocabulary (not a prompt: empty, or long, is fine)."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            msg = f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            raise InvalidRequestError(msg, "tokens")
+        return self.tokenizer.decode(ids)
+
+    @lru_cache(maxsize=1 << 16)  # noqa: B019 (one Server per process)
+    def token_str(self, token_id: int) -> str:
+        """One token's text, special tokens included (logprobs name tokens by it)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
