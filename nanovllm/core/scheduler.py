@@ -54,6 +54,9 @@ class Scheduler:
     prompts), new prompts wait, up to `admission_max_delay` steps. A step that carries any
     prefill runs eagerly on the GPU, one of decodes only as a CUDA graph; admitting one
     prompt per freed row would make nearly every step of a long queue a prefill step.
+
+    One class of ~350 lines: both policies, preemption, priorities and admission act on
+    the same two queues and block tables, and their invariants (tests/core) bind them all.
     """
 
     def __init__(

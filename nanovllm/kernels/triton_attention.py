@@ -30,6 +30,10 @@ context lengths: splits past a row's context are empty and weigh nothing in the 
 
 Padding rows (context_len 0, query_len 0 or 1, slot -1) produce zeros in their own output
 row, or nothing if their query_len is 0, never NaN, and touch no cache slot.
+
+Why one file of ~500 lines: the decode and prefill kernels share the tile loader and the
+online-softmax step (`_load_kv_tile`, `_softmax_step`), and the launch contract above binds
+all of them; apart, each would restate it.
 """
 
 import functools

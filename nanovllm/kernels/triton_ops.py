@@ -9,7 +9,8 @@ an intermediate in that dtype, so fused and unfused runs agree to a few ulps of 
 Launch grids depend only on tensor shapes, never on device values, so every op can sit
 inside a captured CUDA graph. An engine picks these kernels through `kernels.select_kernels`
 (fused_kernels on, the CUDA default); they accept tensors on any device, so tests call them
-on CPU under TRITON_INTERPRET=1.
+on CPU under TRITON_INTERPRET=1. Four small kernels share one file (~330 lines) and its
+launch helpers (`_pow2`, `_warps`, `_rows`): each is one idea too small for a module.
 """
 
 import torch
