@@ -1,8 +1,5 @@
 """The real default model (SmolLM2-135M-Instruct, GGUF) against transformers' own GGUF loader."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -107,22 +104,3 @@ def test_chat_api_and_eos(llm):
     assert "<|im_end|>" not in out.text
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
-
-
-def test_cli_generate_answers():
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nanovllm",
-            "generate",
-            "What is the capital of France?",
-            "--max-tokens",
-            "12",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "Paris" in proc.stdout

@@ -1,0 +1,49 @@
+"""`nanovllm serve`: the OpenAI-compatible HTTP server (entrypoints/openai runs it)."""
+
+import argparse
+
+from nanovllm.entrypoints.cli.arguments import engine_config
+
+
+def port(text: str) -> int:
+    """A TCP port number (argparse names this function in its message for "abc")."""
+    number = int(text)
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{number} is not a TCP port; use 1 to 65535")
+    return number
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; 0.0.0.0 serves other machines too")
+    g.add_argument("--port", type=port, default=8000, help="TCP port to listen on")
+    g.add_argument(
+        "--api-key", metavar="KEY", default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NANOVLLM_API_KEY, "
+        "or no key)",
+    )
+    g.add_argument(
+        "--served-model-name", metavar="NAME", default=None,
+        help="the model name clients send (default: the model directory's or file's name)",
+    )
+    g.add_argument("--max-num-waiting", type=int, metavar="N", default=256,
+                   help="requests allowed to wait in the engine; more get HTTP 429")
+    g.add_argument("--max-request-bytes", type=int, metavar="N", default=1 << 20,
+                   help="larger request bodies get HTTP 413")
+    g.add_argument("--log-interval", type=float, metavar="SECONDS", default=10.0,
+                   help="time between the engine's status lines")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    # FastAPI only when serving
+    from nanovllm.engine.messages import EngineProcessConfig
+    from nanovllm.entrypoints.openai.launch import ServerSettings, run_server
+
+    engine = EngineProcessConfig(
+        args.model, engine_config(args), args.max_num_waiting, args.log_interval
+    )
+    server = ServerSettings(
+        args.host, args.port, args.api_key, args.served_model_name, args.max_request_bytes
+    )
+    return run_server(engine, server)
