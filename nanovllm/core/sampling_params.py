@@ -79,7 +79,7 @@ class SamplingParams:
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
-            bad("max_tokens", "use an integer >= 1, or leave it unset to fill the context")
+            bad("max_tokens", "use an integer >= 1")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             bad("min_tokens", "use an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
