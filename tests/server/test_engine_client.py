@@ -18,6 +18,7 @@ from nanovllm.entrypoints.openai.engine_client import (
     EngineDeadError,
     RequestRejected,
 )
+from nanovllm.entrypoints.openai.errors import api_error
 
 ENGINE = dict(device="cpu", block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
 LOOPS = [
@@ -76,6 +77,8 @@ def test_oversized_messages_and_bursts_pass_the_pipe(client, loop):
         rejection = e.value.rejection
         assert rejection.reason is RejectReason.INVALID and "max_model_len" in rejection.message
         assert rejection.code == "context_length_exceeded" and rejection.param == "prompt"
+        err = api_error(e.value)  # what the HTTP client gets: OpenAI's body, status 400
+        assert (err.status, err.param, err.code) == (400, "prompt", "context_length_exceeded")
         # a burst larger than max_num_seqs, with long prompts, while the engine steps
         prompts = [[(7 * j + i) % (vocab - 1) + 1 for i in range(120)] for j in range(40)]
         results = await asyncio.gather(
