@@ -1,12 +1,13 @@
 """Greedy outputs of tiny random Llama / Qwen2 / Qwen3 models equal transformers', whatever
-the batch, chunk size, prefix-cache hits, preemption or scheduling policy."""
+the batch, chunk size, prefix-cache hits, preemption or scheduling policy; RoPE scaling and
+half precision."""
 
 
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from tests.support import hf_greedy, make_prompts
+from tests.support import build_tiny_model, hf_greedy, make_prompts
 
 MAX_TOKENS = 10
 
@@ -88,3 +89,28 @@ def test_batch_of_one_equals_batch_of_many(tiny_model):
     together = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
     assert together == alone
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close_to_float32(tiny_llama, dtype):
+    llm = LLM(str(tiny_llama), device="cpu", dtype=dtype, block_size=4)
+    assert llm.engine.runner.kv_cache.tensor.dtype == getattr(torch, dtype)
+    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=4,
+                                                         ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 4
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+])
+def test_rope_scaling_matches_transformers(tmp_path, scaling):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path, "llama", rope_scaling=scaling)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = [(i * 37) % 390 + 3 for i in range(100)]  # past the original 64 positions
+    ours = LLM(str(path), device="cpu", block_size=8).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert ours[0].token_ids == hf_greedy(hf, prompt, 5)
