@@ -25,6 +25,7 @@ import logging
 import math
 import multiprocessing
 import os
+import signal
 import time
 from collections import deque
 from multiprocessing.connection import Connection
@@ -73,6 +74,9 @@ def start_engine(config: EngineProcessConfig) -> tuple[multiprocessing.Process, 
 
 def run_engine_loop(conn: Connection, config: EngineProcessConfig) -> None:
     """The engine process's main: load the model, report Ready (or Fatal), serve the pipe."""
+    # a terminal's Ctrl-C reaches the whole process group: the front end stops this process
+    # (Shutdown, or its pipe closing), so an interrupt here would only print a traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
