@@ -312,17 +312,23 @@ class Scheduler:
             if samples:
                 seq.append_token(PLACEHOLDER)
 
-    def resolve(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Put the sampled tokens in place of the placeholders and finish sequences that stop.
+    def resolve(
+        self, seqs: list[Sequence], token_ids: list[int],
+        logprobs: list[dict[int, float] | None] | None = None,
+    ) -> list[Sequence]:
+        """Put the sampled tokens (and their logprobs, per row when asked for) in place of
+        the placeholders and finish sequences that stop.
 
         Returns the sequences that took their token (not those that ended in flight).
         """
         accepted = []
-        for seq, token_id in zip(seqs, token_ids, strict=True):
+        for i, (seq, token_id) in enumerate(zip(seqs, token_ids, strict=True)):
             if seq.is_finished:
                 continue
             assert seq.token_ids[-1] == PLACEHOLDER, seq
             seq.token_ids[-1] = token_id
+            if logprobs is not None and logprobs[i] is not None:
+                seq.logprobs.append(logprobs[i])
             accepted.append(seq)
             reason = self._check_stop(seq, token_id)
             if reason is not None:

@@ -209,14 +209,10 @@ class LLMEngine:
             out = self.runner.collect(handle)
         with self.times("postprocess"):
             self.num_generated_tokens += len(out.token_ids)
-            logprobs = {s.seq_id: lp for s, lp in zip(handle.seqs, out.logprobs, strict=True)}
-            for seq in self.scheduler.resolve(handle.seqs, out.token_ids):
+            for seq in self.scheduler.resolve(handle.seqs, out.token_ids, out.logprobs):
                 owner = self._owner.get(seq.seq_id)
-                if owner is None:
-                    continue
-                if logprobs[seq.seq_id] is not None:
-                    seq.logprobs.append(logprobs[seq.seq_id])
-                self.outputs.on_token(*owner, seq)
+                if owner is not None:
+                    self.outputs.on_token(*owner, seq)
 
     def _outputs(self) -> list[RequestOutput]:
         outputs = []

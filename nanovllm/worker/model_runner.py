@@ -37,7 +37,7 @@ class StepOutput:
     """One sampled token per sampling row, and its logprobs when asked for."""
 
     token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
+    logprobs: list[dict[int, float] | None] | None  # None when no row asked for them
 
 
 @dataclass
@@ -183,7 +183,7 @@ class ModelRunner:
     def collect(self, handle: StepHandle) -> StepOutput:
         """Wait for a launched step's tokens (and logprobs) and bring them to the host."""
         if handle.out is None:
-            return StepOutput([], [])
+            return StepOutput([], None)
         if handle.event is not None:
             handle.event.synchronize()
         token_ids = handle.host_tokens.tolist()

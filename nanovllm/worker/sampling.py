@@ -62,12 +62,12 @@ class StepSampler:
 
 def logprob_dicts(
     out: SamplerOutput, seqs: list[Seq], token_ids: list[int]
-) -> list[dict[int, float] | None]:
-    """Per row: {sampled id: logprob, top ids: logprobs} for rows that asked, else None
-    (reads the device: call once the step has finished)."""
-    entries: list[dict[int, float] | None] = [None] * len(seqs)
+) -> list[dict[int, float] | None] | None:
+    """Per row: {sampled id: logprob, top ids: logprobs} for rows that asked, else None;
+    None when no row asked (reads the device: call once the step has finished)."""
     if out.logprobs is None:
-        return entries
+        return None
+    entries: list[dict[int, float] | None] = [None] * len(seqs)
     lp = out.logprobs.tolist()
     top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
     top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
