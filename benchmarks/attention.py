@@ -1,7 +1,7 @@
 """Paged attention on CUDA: the Triton kernels against the torch reference and SDPA.
 
-    python benchmarks/attention.py            # main table, then tile / split sweeps
-    python benchmarks/attention.py --quick    # main table only
+    python -m benchmarks.attention            # main table, then tile / split sweeps
+    python -m benchmarks.attention --quick    # main table only
 
 Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf16).
 Times are `triton.testing.do_bench` medians (L2 flushed before each run); "graph" is the
@@ -15,7 +15,6 @@ error and the run goes on; the exit status is 1 if any case failed.
 import argparse
 import sys
 import traceback
-from pathlib import Path
 
 import torch
 
@@ -287,7 +286,6 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import triton
 
     props = torch.cuda.get_device_properties(0)

@@ -1,12 +1,12 @@
 """CPU figures for the default model: start-up to first token, and batch throughput vs transformers.
 
-    python benchmarks/cpu.py                 # both
-    python benchmarks/cpu.py --skip-hf       # ours only
+    python -m benchmarks.cpu                 # both
+    python -m benchmarks.cpu --skip-hf       # ours only
 
 Start-up is the wall time from launching `nanovllm generate` to its first byte of output.
-Throughput is 16 chat prompts through `LLM.generate` and through transformers' `generate`
-(one left-padded batch), greedy, same max_tokens; output tokens count up to and including
-EOS, never padding.
+Throughput is 16 chat prompts (workloads.CHAT_QUESTIONS) through `LLM.generate` and through
+transformers' `generate` (one left-padded batch), greedy, same max_tokens; output tokens count
+up to and including EOS, never padding.
 """
 
 import argparse
@@ -16,16 +16,7 @@ import subprocess
 import sys
 import time
 
-QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about the sea.",
-    "List three primary colors.", "How many legs does a spider have?",
-    "Explain photosynthesis in one sentence.", "Give me a synonym for happy.",
-    "What is 12 times 12?", "Name a famous painting by Leonardo da Vinci.",
-    "What does a compiler do?", "Suggest a name for a pet goldfish.",
-    "Why is the sky blue?", "Describe a cat in five words.",
-    "What is the boiling point of water?", "Tell me a fun fact about octopuses.",
-    "How do airplanes stay in the air?", "What is the largest planet?",
-]
+from benchmarks.workloads import CHAT_QUESTIONS
 
 
 def startup() -> float:
@@ -45,7 +36,7 @@ def ours(max_tokens: int) -> tuple[float, int, list[list[int]]]:
     from nanovllm import LLM, SamplingParams
 
     llm = LLM()
-    prompts = [llm.engine.render_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    prompts = [llm.engine.render_chat([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS]
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     start = time.perf_counter()

@@ -1,9 +1,9 @@
 """The server's engine process without HTTP, against LLM.generate on the same requests.
 
-    python benchmarks/engine_loop.py --model PATH --num-prompts 1024 --input-len 512 \
+    python -m benchmarks.engine_loop --model PATH --num-prompts 1024 --input-len 512 \
         --output-len 256 --max-num-seqs 256 --device cuda
 
-`benchmarks/serve.py` compares the whole server with offline generation; this splits off
+`benchmarks.serve` compares the whole server with offline generation; this splits off
 the HTTP front end: the requests go straight down the engine process's pipe (as the front
 end sends them, streamed) and a plain loop reads the Deltas back. If this is already
 slower than offline, the gap is in the engine process, not in HTTP. Each side runs twice,
@@ -14,13 +14,13 @@ every request ignores EOS, so both sides generate the same number of tokens.
 
 import argparse
 import gc
-import random
 import threading
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.workloads import random_requests
 from nanovllm import LLM, SamplingParams
 from nanovllm.core.config import EngineConfig
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
@@ -30,14 +30,11 @@ from nanovllm.engine.tokenizer import Tokenizer
 
 
 def make_requests(args, seed: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    lo_in, hi_in = args.input_len // 2, args.input_len * 3 // 2
-    lo_out, hi_out = args.output_len // 2, args.output_len * 3 // 2
-    return [
-        ([rng.randrange(1, args.vocab_limit) for _ in range(rng.randint(lo_in, hi_in))],
-         rng.randint(lo_out, hi_out))
-        for _ in range(args.num_prompts)
-    ]  # fmt: skip
+    """Lengths +-50% (rounded down) around --input-len and --output-len, ids below --vocab-limit."""
+    n_in, n_out = args.input_len, args.output_len
+    return random_requests(args.num_prompts, (n_in // 2, n_in * 3 // 2),
+                           (n_out // 2, n_out * 3 // 2), (1, args.vocab_limit - 1), seed,
+                           output_len_first=False)
 
 
 def params(n: int, temperature: float) -> SamplingParams:

@@ -1,7 +1,7 @@
 """Host time of one decode step's bookkeeping, without a model: scheduling, input
 preparation, sampling tensors, advance and resolve, for 256 rows with ~1,000-token contexts.
 
-    python benchmarks/host_overhead.py [--rows 256] [--steps 200]
+    python -m benchmarks.host_overhead [--rows 256] [--steps 200]
 
 On a GPU this work must stay below the GPU's step time for CPU/GPU overlap to hide it.
 """
@@ -10,10 +10,10 @@ import argparse
 import json
 import random
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.workloads import QWEN3_CONFIG
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.config import EngineConfig
 from nanovllm.core.sampling_params import SamplingParams
@@ -23,8 +23,6 @@ from nanovllm.engine.resolve import fit_kv_cache, resolve_config
 from nanovllm.model.config import ModelConfig
 from nanovllm.worker.inputs import InputBuffers
 from nanovllm.worker.sampling import build_sampling_tensors
-
-QWEN3_CONFIG = Path(__file__).resolve().parent / "qwen3_0_6b_config.json"
 
 
 def main() -> None:

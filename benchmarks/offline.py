@@ -1,13 +1,13 @@
 """Offline throughput: the seed's workload, our engine against its speed of light and a peer.
 
-    python benchmarks/offline.py                      # random-weight Qwen3-0.6B, ours + HF peer
-    python benchmarks/offline.py --model DIR --out r.json
-    python benchmarks/offline.py --no-peer --enforce-eager
-    python benchmarks/offline.py --quick              # CPU smoke test: 8 seqs, 2-layer model
+    python -m benchmarks.offline                    # random-weight Qwen3-0.6B, ours + HF peer
+    python -m benchmarks.offline --model DIR --out r.json
+    python -m benchmarks.offline --no-peer --enforce-eager
+    python -m benchmarks.offline --quick            # CPU smoke test: 8 seqs, 2-layer model
 
-The workload is nano-vllm's bench.py, draw for draw: random.seed(0); 256 prompts of
-randint(100, 1024) token ids in [0, 10000]; then max_tokens = randint(100, 1024) each;
-temperature 0.6, ignore_eos, max_model_len 4096; one warm-up call; 133,966 output tokens.
+The workload (workloads.seed_workload) is nano-vllm's bench.py, draw for draw: random.seed(0);
+256 prompts of randint(100, 1024) token ids in [0, 10000]; then max_tokens = randint(100, 1024)
+each; temperature 0.6, ignore_eos, max_model_len 4096; one warm-up call; 133,966 output tokens.
 Throughput = output tokens / wall time of the one timed `generate` call.
 
 Without --model, the model is Qwen3-0.6B's shape (benchmarks/qwen3_0_6b_config.json) with
@@ -15,14 +15,14 @@ random weights, written once under --model-cache. The speed of light (speed_of_l
 the workload's KV and weight bytes and FLOPs against the bandwidth and matmul rate measured here
 at start-up. The peer (hf_peer.py) is transformers' continuous batching with paged SDPA.
 
-Each engine runs in its own child process, so each gets the whole GPU memory.
+Each engine runs in its own child process, so each gets the whole GPU memory. The printed
+report is offline_report.py's.
 """
 
 import argparse
 import dataclasses
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -31,21 +31,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helpers, however we are run
+from benchmarks.offline_report import print_table
+from benchmarks.random_model import build_random_model
+from benchmarks.speed_of_light import ModelShape, measure_device, sol_times, workload_cost
+from benchmarks.workloads import QWEN3_CONFIG, SEED_OUTPUT_TOKENS, seed_workload
 
-from random_model import build_random_model  # noqa: E402
-from speed_of_light import (  # noqa: E402
-    DeviceRates,
-    ModelShape,
-    WorkloadCost,
-    measure_device,
-    sol_times,
-    workload_cost,
-)
-
-HERE = Path(__file__).resolve().parent
-QWEN3_CONFIG = HERE / "qwen3_0_6b_config.json"
-SEED_OUTPUT_TOKENS = 133_966  # bench.py's total for 256 seqs, 1024 / 1024
 WARMUP_PROMPT = "Benchmark: "
 # --quick: Qwen3's layout and vocabulary, shrunk until a 2-core CPU runs it in seconds
 QUICK_OVERRIDES = dict(
@@ -56,21 +46,6 @@ QUICK_OVERRIDES = dict(
     num_key_value_heads=2,
     head_dim=64,
 )
-
-
-def make_workload(
-    num_seqs: int, max_input_len: int, max_output_len: int
-) -> tuple[list[list[int]], list[int]]:
-    """bench.py's draws in bench.py's order: all prompts first, then all max_tokens."""
-    random.seed(0)
-    # bench.py draws lengths from 100; the floor only drops for lengths below 100 (tiny tests)
-    lo_in, lo_out = min(100, max_input_len), min(100, max_output_len)
-    prompts = [
-        [random.randint(0, 10000) for _ in range(random.randint(lo_in, max_input_len))]
-        for _ in range(num_seqs)
-    ]
-    max_tokens = [random.randint(lo_out, max_output_len) for _ in range(num_seqs)]
-    return prompts, max_tokens
 
 
 def engine_device_dtype(cfg: dict) -> tuple[str, torch.dtype]:
@@ -160,7 +135,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 
 def run_peer(args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int]) -> dict:
-    from hf_peer import run_peer as hf_run
+    from benchmarks.hf_peer import run_peer as hf_run
 
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     device, dtype = engine_device_dtype(cfg)
@@ -174,7 +149,8 @@ def run_child(kind: str, model_dir: Path, timeout: float | None) -> dict:
         result = Path(tmp) / "result.json"
         cmd = [
             sys.executable,
-            str(Path(__file__).resolve()),
+            "-m",
+            "benchmarks.offline",
             *sys.argv[1:],
             "--model",
             str(model_dir),
@@ -193,7 +169,7 @@ def run_child(kind: str, model_dir: Path, timeout: float | None) -> dict:
 
 
 def worker_main(args: argparse.Namespace) -> None:
-    prompts, max_tokens = make_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    prompts, max_tokens = seed_workload(args.num_seqs, args.max_input_len, args.max_output_len)
     try:
         fn = run_ours if args.worker == "ours" else run_peer
         out = fn(args, prompts, max_tokens)
@@ -220,34 +196,6 @@ def prepare_model(args: argparse.Namespace) -> tuple[Path, dict, str]:
     how = f"built in {time.perf_counter() - t0:.1f} s" if built else "cached"
     name = "tiny Qwen3 (--quick)" if args.quick else "Qwen3-0.6B"
     return path, cfg, f"random-weight {name} at {path} ({how})"
-
-
-def si(x: float, unit: str) -> str:
-    """1.385e13 B -> '13.85 TB'."""
-    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= scale:
-            return f"{x / scale:.2f} {prefix}{unit}"
-    return f"{x:.0f} {unit}"
-
-
-def fmt_int(x: float | None) -> str:
-    return "-" if x is None else f"{x:,.0f}"
-
-
-def engine_row(name: str, r: dict, sol_tput: float) -> str:
-    if r.get("error"):
-        return f"{name:<18} failed: {r['error']}"
-    if r.get("throughput") is None:
-        return (
-            f"{name:<18} timed out after {r['elapsed_s']:.0f} s: {r['finished_requests']} "
-            f"requests done, {r['output_tokens']:,} tokens, >= {r['partial_throughput']:,.0f} tok/s"
-        )
-    frac = r["throughput"] / sol_tput
-    return (
-        f"{name:<18}{r['elapsed_s']:>8.2f}{r['output_tokens']:>10,}{r['throughput']:>10,.0f}"
-        f"{frac:>8.1%}{fmt_int(r.get('prefill_tokens')):>13}{fmt_int(r.get('decode_tokens')):>12}"
-        f"{fmt_int(r.get('steps')):>7}"
-    )
 
 
 def main() -> None:
@@ -299,7 +247,7 @@ def main() -> None:
     if args.no_overlap:
         engine_options(args)  # fail now, not after building the model
 
-    prompts, max_tokens = make_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    prompts, max_tokens = seed_workload(args.num_seqs, args.max_input_len, args.max_output_len)
     prompt_lens = [len(p) for p in prompts]
     seed_shape = (args.num_seqs, args.max_input_len, args.max_output_len) == (256, 1024, 1024)
     check = ""
@@ -370,83 +318,6 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     print_table(report, cost, sol, sol_tput, rates)
-
-
-def print_table(
-    report: dict, cost: WorkloadCost, sol: dict, sol_tput: dict, rates: DeviceRates
-) -> None:
-    w, m = report["workload"], report["model"]
-    ours, peer = report["ours"], report["peer"]
-    peer_ver = f" | transformers {peer['transformers']}" if peer and "transformers" in peer else ""
-    lines = [
-        "",
-        f"== offline throughput | {rates.device} | torch {report['torch']}{peer_ver} ==",
-        f"workload: {w['num_seqs']} seqs, {w['prompt_tokens']:,} prompt / {w['output_tokens']:,} "
-        "output tokens, temperature 0.6, ignore_eos, max_model_len 4096",
-        f"model:    {m['description']}",
-        f"          {m['dtype']}, {m['matmul_params'] / 1e6:.1f}M matmul params, "
-        f"KV {m['kv_bytes_per_token'] / 1024:.1f} KiB/token",
-        f"device:   copy {rates.bandwidth / 1e12:.3f} TB/s "
-        f"(read+write, {rates.copy_bytes >> 20} MiB), {rates.dtype} matmul "
-        f"{rates.matmul_rate / 1e12:.1f} TFLOP/s ({rates.matmul_n}^3)",
-        f"cost:     KV reads {si(cost.kv_read_bytes, 'B')} ({sol['kv_read_s']:.3f} s) + weights "
-        f"{cost.min_steps} steps x {si(cost.weight_bytes_per_step, 'B')} "
-        f"({sol['weight_read_s']:.3f} s);",
-        f"          prefill {si(cost.prefill_flops, 'FLOP')} ({sol['prefill_compute_s']:.3f} s), "
-        f"decode {si(cost.decode_flops, 'FLOP')} ({sol['decode_compute_s']:.3f} s)",
-        "speed of light (BW = copy bandwidth, rate = matmul rate):",
-    ]
-    formulas = {
-        "serial": "bytes/BW + FLOPs/rate",
-        "per_phase": "prefill/rate + max(bytes/BW, decode/rate)",
-        "overlap": "max(bytes/BW, FLOPs/rate)",
-    }
-    for key, formula in formulas.items():
-        mark = "  <- the % of SOL below" if key == "serial" else ""
-        lines.append(
-            f"  {key:<9} T = {formula:<42}{sol[key]:>8.3f} s {sol_tput[key]:>9,.0f} tok/s{mark}"
-        )
-    lines += [
-        "",
-        f"{'engine':<18}{'wall s':>8}{'out tok':>10}{'tok/s':>10}{'of SOL':>8}"
-        f"{'prefill tok':>13}{'decode tok':>12}{'steps':>7}",
-        engine_row("nano-vLLM", ours, sol_tput["serial"]),
-    ]
-    if peer is not None:
-        name = f"HF CB {peer.get('attn_implementation', '')}".strip()
-        lines.append(engine_row(name[:17], peer, sol_tput["serial"]))
-    notes = []
-    if not ours.get("error"):
-        notes.append(
-            f"nano-vLLM: load {ours['load_s']:.1f} s, {ours['dtype']}, KV cache "
-            f"{ours['kv_cache_tokens']:,} tokens; split by tokens: prefill "
-            f"{ours['prefill_tokens']:,} / decode {ours['decode_tokens']:,}"
-        )
-        st = ours.get("step_timing_s") or {}
-        if st:
-            notes.append(
-                "nano-vLLM host time: "
-                + ", ".join(f"{k} {v:.2f} s" for k, v in st.items())
-                + f" (wait = host idle on the GPU; steps {ours['steps']})"
-            )
-        for i, rep in enumerate(ours.get("repeats") or [], start=2):
-            notes.append(
-                f"nano-vLLM run {i} (overlap {'on' if rep['overlap'] else 'off'}): "
-                f"{rep['elapsed_s']:.2f} s, {rep['throughput']:,.0f} tok/s; host "
-                + ", ".join(f"{k} {v:.2f} s" for k, v in rep["step_timing_s"].items())
-            )
-        if ours["wrong_length_requests"]:
-            notes.append(f"nano-vLLM: {ours['wrong_length_requests']} requests != max_tokens")
-    if peer and not peer.get("error"):
-        notes.append(
-            f"peer: load {peer['load_s']:.1f} s, per-request max_new_tokens via "
-            f"ContinuousBatchingManager.add_request; {peer['finished_requests']} done, "
-            f"{peer['failed_requests']} failed, {peer['wrong_length_requests']} wrong length"
-        )
-        if ours.get("throughput") and peer.get("throughput"):
-            notes.append(f"speed-up over peer: {ours['throughput'] / peer['throughput']:.2f}x")
-    lines += notes
-    print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":

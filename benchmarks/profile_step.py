@@ -1,10 +1,12 @@
 """Where a decode step's time goes on the GPU: kernel time by kind, host time by part,
 and any host<->device synchronization inside the step loop.
 
-    python benchmarks/profile_step.py [--model DIR] [--steps 20] [--no-overlap]
+    python -m benchmarks.profile_step [--model DIR] [--steps 20] [--no-overlap]
 
-Runs the offline workload's first 256 requests until prefill is over, then profiles
-`--steps` decode steps with torch.profiler and CUDA's sync debug mode.
+Runs 256 requests of the offline workload's shape until prefill is over, then profiles
+`--steps` decode steps with torch.profiler and CUDA's sync debug mode. (Its draws are
+bench.py's ranges taken request by request, prompt then max_tokens: not the offline
+workload's requests, which draw all prompts first.)
 """
 
 import argparse
@@ -13,8 +15,9 @@ import time
 import warnings
 
 import torch
-from offline import QWEN3_CONFIG  # noqa: E402  (run from benchmarks/ or with it on the path)
-from random_model import build_random_model
+
+from benchmarks.random_model import build_random_model
+from benchmarks.workloads import QWEN3_CONFIG
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """Serving benchmark: Poisson arrivals against the OpenAI-compatible server.
 
-    python benchmarks/serve.py --launch "--device cpu --max-num-seqs 16" --rates 1,2,4,inf
-    python benchmarks/serve.py --base-url http://127.0.0.1:8000 --rates 2,8,inf --num-prompts 256
-    python benchmarks/serve.py --launch "--max-num-seqs 256" --offline   # + LLM.generate
+    python -m benchmarks.serve --launch "--device cpu --max-num-seqs 16" --rates 1,2,4,inf
+    python -m benchmarks.serve --base-url http://127.0.0.1:8000 --rates 2,8,inf --num-prompts 256
+    python -m benchmarks.serve --launch "--max-num-seqs 256" --offline   # + LLM.generate
 
 For each rate the same prompts are sent with exponential gaps (a Poisson process, seeded);
 `inf` sends them all at once, which saturates the server. Every request streams
@@ -32,6 +32,7 @@ ask for `--output-len` tokens; `--range-ratio` spreads both lengths uniformly by
 The client is an asyncio process with httpx and no SDK; its CPU use is reported per rate,
 and a warning is printed when it nears one core (the client, not the server, would then be
 the bottleneck): `--client-procs P` then spreads the requests over P client processes.
+The client is serve_client.py, the table and plot serve_report.py, the prompts workloads.py.
 """
 
 import argparse
@@ -39,10 +40,8 @@ import asyncio
 import dataclasses
 import json
 import math
-import multiprocessing
 import os
 import platform
-import random
 import shlex
 import signal
 import socket
@@ -50,25 +49,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-SUBJECTS = [
-    "the ocean", "volcanoes", "honeybees", "the Roman empire", "black holes", "bread baking",
-    "chess", "glaciers", "the printing press", "octopuses", "jazz", "solar panels", "deserts",
-    "the internet", "rainforests", "trains", "origami", "the moon", "tea", "robots",
-]  # fmt: skip
-TASKS = [
-    "Write a detailed essay about {}.",
-    "Explain {} to a curious ten-year-old, with examples.",
-    "Tell a long story in which {} plays a central part.",
-    "List everything you know about {}, one point per line.",
-    "Describe the history of {} in as much detail as you can.",
-]
-
+from benchmarks.serve_client import Request, run_rate, warm_up
+from benchmarks.serve_report import plot, print_table
+from benchmarks.workloads import length_range, random_requests, text_requests
 
 WORKLOAD_KEYS = (
     "dataset num_prompts input_len output_len range_ratio temperature seed max_concurrency "
@@ -76,208 +63,27 @@ WORKLOAD_KEYS = (
 ).split()
 
 
-@dataclass
-class Request:
-    body: dict  # JSON body without model/stream fields
-    path: str  # /v1/completions or /v1/chat/completions
-    prompt: list[int] | list[dict]  # what the offline run gets
-    output_len: int
-
-
-@dataclass
-class Result:
-    ok: bool
-    error: str | None = None
-    ttft: float | None = None
-    e2e: float | None = None
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    chunks: int = 0
-
-
 # ---- workload ---------------------------------------------------------------------------------
 
 
-def spread(rng: random.Random, n: int, ratio: float) -> int:
-    return max(1, rng.randint(math.floor(n * (1 - ratio)), math.ceil(n * (1 + ratio))))
-
-
 def make_requests(args: argparse.Namespace, seed: int) -> list[Request]:
-    rng = random.Random(seed)
+    out_lens = length_range(args.output_len, args.range_ratio)
+
+    def common(out_len: int) -> dict:
+        return {"max_tokens": out_len, "temperature": args.temperature, "ignore_eos": True}
+
+    if args.dataset == "random":
+        in_lens = length_range(args.input_len, args.range_ratio)
+        pairs = random_requests(args.num_prompts, in_lens, out_lens, args.token_range, seed)
+        return [
+            Request({"prompt": ids, **common(n)}, "/v1/completions", ids, n) for ids, n in pairs
+        ]
     reqs = []
-    for i in range(args.num_prompts):
-        out_len = spread(rng, args.output_len, args.range_ratio)
-        common = {"max_tokens": out_len, "temperature": args.temperature, "ignore_eos": True}
-        if args.dataset == "random":
-            lo, hi = args.token_range
-            length = spread(rng, args.input_len, args.range_ratio)
-            ids = [rng.randint(lo, hi) for _ in range(length)]
-            reqs.append(Request({"prompt": ids, **common}, "/v1/completions", ids, out_len))
-        else:
-            question = rng.choice(TASKS).format(rng.choice(SUBJECTS)) + f" (#{i})"
-            messages = [{"role": "user", "content": question}]
-            body = {"messages": messages, **common}
-            reqs.append(Request(body, "/v1/chat/completions", messages, out_len))
+    for question, n in text_requests(args.num_prompts, out_lens, seed):
+        messages = [{"role": "user", "content": question}]
+        reqs.append(Request({"messages": messages, **common(n)}, "/v1/chat/completions",
+                            messages, n))
     return reqs
-
-
-# ---- one request, one rate --------------------------------------------------------------------
-
-
-async def send(client: httpx.AsyncClient, model: str, req: Request) -> Result:
-    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, **req.body}
-    stamps: list[float] = []
-    usage_tokens = None
-    t0 = time.perf_counter()
-    try:
-        async with client.stream("POST", req.path, json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                return Result(False, f"HTTP {resp.status_code}: {text[:200]}")
-            buf = b""
-            async for data in resp.aiter_bytes():
-                now = time.perf_counter()
-                buf += data.replace(b"\r\n", b"\n") if b"\r" in data else data
-                *events, buf = buf.split(b"\n\n")
-                for event in events:
-                    if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                        continue
-                    chunk = json.loads(event[6:])
-                    if chunk.get("usage"):
-                        usage_tokens = chunk["usage"]["completion_tokens"]
-                    for c in chunk.get("choices") or ():
-                        delta = c.get("delta") or {}
-                        if c.get("text") or delta.get("content"):
-                            stamps.append(now)
-    except httpx.HTTPError as e:
-        return Result(False, f"{type(e).__name__}: {e}")
-    end = time.perf_counter()
-    if not stamps:
-        return Result(False, "no text streamed")
-    return Result(
-        ok=True,
-        ttft=stamps[0] - t0,
-        e2e=end - t0,
-        itl=[b - a for a, b in zip(stamps, stamps[1:])],
-        output_tokens=usage_tokens if usage_tokens is not None else len(stamps),
-        chunks=len(stamps),
-    )
-
-
-def http_client(args, base_url: str) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(args.request_timeout)
-    return httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=timeout)
-
-
-async def warm_up(args, base_url: str, model: str, reqs: list[Request]) -> None:
-    """Every prompt once, all at once, 4 tokens each: the engine meets the workload's batch
-    shapes (allocator growth, kernel choices) before anything is timed."""
-    async with http_client(args, base_url) as client:
-        results = await asyncio.gather(*(send(client, model, warmup_request(r)) for r in reqs))
-    failed = [r.error for r in results if not r.ok]
-    if failed:
-        print(f"warm-up: {len(failed)} requests failed, e.g. {failed[0]}")
-
-
-async def drive(args, base_url, model, reqs, rate, seed, start_at) -> tuple[list, float, float]:
-    """Send `reqs` as a Poisson process of `rate` from wall time `start_at`; the results, the
-    wall time the last one ended, and this process's CPU seconds."""
-    rng = random.Random(seed)
-    limit = asyncio.Semaphore(args.max_concurrency or len(reqs))
-
-    async def limited(client, req):
-        async with limit:
-            return await send(client, model, req)
-
-    async with http_client(args, base_url) as client:
-        await asyncio.sleep(max(0.0, start_at - time.time()))
-        cpu0 = time.process_time()
-        tasks = []
-        for req in reqs:
-            tasks.append(asyncio.create_task(limited(client, req)))
-            if math.isfinite(rate):
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        return results, time.time(), time.process_time() - cpu0
-
-
-def drive_shard(*a) -> tuple[list, float, float]:
-    return asyncio.run(drive(*a))
-
-
-def run_rate(args, base_url: str, model: str, reqs: list[Request], rate: float) -> dict:
-    """One rate. With --client-procs P, P processes each send every P-th request at rate/P
-    (P independent Poisson processes add up to one of the full rate)."""
-    procs = min(args.client_procs, len(reqs))
-    start_at = time.time() + (3.0 if procs > 1 else 0.0)  # time for the workers to start
-    if procs == 1:
-        parts = [drive_shard(args, base_url, model, reqs, rate, args.seed + 1, start_at)]
-    else:
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(procs, mp_context=ctx) as pool:
-            futures = [
-                pool.submit(
-                    drive_shard, args, base_url, model, reqs[i::procs], rate / procs,
-                    args.seed + 1 + i, start_at,
-                )
-                for i in range(procs)
-            ]  # fmt: skip
-            parts = [f.result() for f in futures]
-    results: list = [None] * len(reqs)
-    for i, (part, _, _) in enumerate(parts):
-        results[i::procs] = part
-    duration = max(end for _, end, _ in parts) - start_at
-    cpu = max(cpu for _, _, cpu in parts)  # the busiest client process
-    return summarize(rate, results, reqs, duration, cpu)
-
-
-def warmup_request(req: Request) -> Request:
-    return Request(dict(req.body, max_tokens=4), req.path, req.prompt, 4)
-
-
-def percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    xs = sorted(values)
-
-    def pct(q: float) -> float:  # linear interpolation, as numpy's default
-        k = (len(xs) - 1) * q / 100
-        lo, hi = math.floor(k), math.ceil(k)
-        return 1000 * (xs[lo] + (xs[hi] - xs[lo]) * (k - lo))
-
-    return {"mean": 1000 * sum(xs) / len(xs), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
-
-
-def summarize(rate, results: list[Result], reqs, duration: float, cpu: float) -> dict:
-    ok = [r for r in results if r.ok]
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            errors[r.error] = errors.get(r.error, 0) + 1
-    out_tokens = sum(r.output_tokens for r in ok)
-    wrong_len = sum(r.output_tokens != q.output_len for r, q in zip(results, reqs) if r.ok)
-    return {
-        "rate": "inf" if math.isinf(rate) else rate,
-        "requests": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": errors,
-        "wrong_length": wrong_len,
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration,
-        "output_throughput": out_tokens / duration,
-        "output_tokens": out_tokens,
-        "tokens_per_chunk": out_tokens / max(1, sum(r.chunks for r in ok)),
-        "ttft_ms": percentiles([r.ttft for r in ok]),
-        "itl_ms": percentiles([x for r in ok for x in r.itl]),
-        "tpot_ms": percentiles(
-            [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-        ),
-        "e2e_ms": percentiles([r.e2e for r in ok]),
-        "client_cpu_frac": cpu / duration,
-    }
 
 
 # ---- server launch, offline run ---------------------------------------------------------------
@@ -355,70 +161,6 @@ def run_offline(
         "throughputs": [tokens / t for t in times],
         "request_throughput": len(reqs) / elapsed,
     }
-
-
-# ---- report -----------------------------------------------------------------------------------
-
-
-def print_table(runs: list[dict]) -> None:
-    head = f"{'rate':>6} {'ok':>5} {'req/s':>7} {'tok/s':>8}"
-    for m in ("ttft", "itl", "tpot", "e2e"):
-        head += f" | {m + ' p50/p90/p99 ms':>26}"
-    print(head)
-    for r in runs:
-        line = f"{r['rate']!s:>6} {r['completed']:>5} {r['request_throughput']:>7.2f} "
-        line += f"{r['output_throughput']:>8.1f}"
-        for m in ("ttft", "itl", "tpot", "e2e"):
-            p = r[f"{m}_ms"]
-            cells = "/".join("-" if p[k] is None else f"{p[k]:.0f}" for k in ("p50", "p90", "p99"))
-            line += f" | {cells:>26}"
-        print(line)
-        if r["failed"]:
-            print(f"       {r['failed']} failed: {r['errors']}")
-        if r["wrong_length"]:
-            print(f"       {r['wrong_length']} responses had a different length than asked")
-        if r["client_cpu_frac"] > 0.8:
-            print(
-                f"       warning: a client process used {r['client_cpu_frac']:.0%} of a core; "
-                "its overhead may limit these figures (try --client-procs)"
-            )
-
-
-def plot(runs: list[dict], path: Path, title: str, offline: dict | None) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no plot: matplotlib is missing; pip install matplotlib (or -e '.[bench]')")
-        return
-    xs = list(range(len(runs)))
-    labels = [str(r["rate"]) for r in runs]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
-    for ax, (metric, name) in zip(
-        axes, [("ttft_ms", "TTFT"), ("itl_ms", "inter-token latency"), ("e2e_ms", "end to end")]
-    ):
-        for q, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
-            ax.plot(xs, [r[metric][q] for r in runs], style, label=q)
-        ax.set_title(f"{name} (ms)")
-        ax.set_yscale("log")
-        ax.legend()
-    ax = axes[3]
-    ax.plot(xs, [r["output_throughput"] for r in runs], "o-", label="server")
-    if offline:
-        offline_tps = offline["output_throughput"]
-        ax.axhline(offline_tps, color="gray", ls="--", label="offline LLM.generate")
-    ax.set_title("output tokens/s")
-    ax.legend()
-    for ax in axes:
-        ax.set_xticks(xs, labels)
-        ax.set_xlabel("request rate (req/s)")
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
 
 
 # ---- main -------------------------------------------------------------------------------------

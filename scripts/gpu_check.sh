@@ -13,7 +13,7 @@ source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 if [ -z "$SKIP_OFFLINE" ]; then
-  timeout "${OFFLINE_S:-240}" python3 benchmarks/offline.py --out "$OUT/offline.json" "$@" 2>&1 \
+  timeout "${OFFLINE_S:-240}" python3 -m benchmarks.offline --out "$OUT/offline.json" "$@" 2>&1 \
     | tee "$OUT/offline.log" | tail -25
 fi
 if [ -z "$SKIP_TESTS" ]; then
@@ -25,18 +25,18 @@ if [ -z "$SKIP_TESTS" ]; then
     2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [ -z "$SKIP_ATTN" ]; then
-  timeout "${ATTN_S:-90}" python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.log" | tail -20
+  timeout "${ATTN_S:-90}" python3 -m benchmarks.attention 2>&1 | tee "$OUT/attention.log" | tail -20
 fi
 IFS=, read -ra ablations <<< "${ABLATE:-}"
 for flags in "${ablations[@]}"; do
   name=$(echo "$flags" | tr -cd 'a-z-' | sed 's/^-*//')
   echo "== ablation: $flags"
   # shellcheck disable=SC2086
-  timeout "${OFFLINE_S:-240}" python3 benchmarks/offline.py --no-peer $flags \
+  timeout "${OFFLINE_S:-240}" python3 -m benchmarks.offline --no-peer $flags \
     --out "$OUT/offline-$name.json" 2>&1 | tee "$OUT/offline-$name.log" | tail -8
 done
 if [ -n "$PROFILE" ]; then
   # shellcheck disable=SC2086
-  timeout "${PROFILE_S:-150}" python3 benchmarks/profile_step.py ${PROFILE_ARGS:-} 2>&1 \
+  timeout "${PROFILE_S:-150}" python3 -m benchmarks.profile_step ${PROFILE_ARGS:-} 2>&1 \
     | tee "$OUT/profile.log" | tail -40
 fi

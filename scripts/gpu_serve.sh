@@ -11,19 +11,19 @@
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
 #     gguf==0.19.0 fastapi uvicorn prometheus_client httpx
 source scripts/device_env.sh
-MODEL=$(cd benchmarks && python3 -c "
+MODEL=$(python3 -c "
 import json; from pathlib import Path
-from offline import QWEN3_CONFIG; from random_model import build_random_model
+from benchmarks.workloads import QWEN3_CONFIG; from benchmarks.random_model import build_random_model
 print(build_random_model(json.loads(QWEN3_CONFIG.read_text()),
                          Path('/tmp/nanovllm-qwen3-0.6b-random'))[0])")
 if [ -n "$ENGINE_LOOP" ]; then
   # the engine process without HTTP vs LLM.generate; ENGINE_LOOP holds engine_loop.py args
   # shellcheck disable=SC2086
-  timeout "${ENGINE_LOOP_S:-300}" python3 benchmarks/engine_loop.py --model "$MODEL" \
+  timeout "${ENGINE_LOOP_S:-300}" python3 -m benchmarks.engine_loop --model "$MODEL" \
     --vocab-limit 150000 $ENGINE_LOOP 2>&1 | grep -v " INFO " | tee "$OUT/engine_loop.log"
 fi
 [ -n "$SKIP_SERVE" ] && exit 0
-timeout "${SERVE_S:-400}" python3 benchmarks/serve.py \
+timeout "${SERVE_S:-400}" python3 -m benchmarks.serve \
   --launch "--model $MODEL --max-num-seqs 256 --max-model-len 4096 --max-num-waiting 4096 \
   ${LAUNCH_EXTRA:-}" --offline \
   --out "$OUT/serve_h200.json" "$@" 2>&1 | tee "$OUT/serve.log" | tail -40

@@ -1,0 +1,192 @@
+"""The serving benchmark's client (benchmarks/serve.py): streamed requests over HTTP, sent
+as a Poisson process from one or more processes, and each rate's latencies and throughput.
+
+--client-procs' spawned processes run drive_shard from this module, not from serve.py's
+__main__.
+"""
+
+import asyncio
+import json
+import math
+import multiprocessing
+import random
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class Request:
+    body: dict  # JSON body without model/stream fields
+    path: str  # /v1/completions or /v1/chat/completions
+    prompt: list[int] | list[dict]  # what the offline run gets
+    output_len: int
+
+
+@dataclass
+class Result:
+    ok: bool
+    error: str | None = None
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    chunks: int = 0
+
+
+async def send(client: httpx.AsyncClient, model: str, req: Request) -> Result:
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, **req.body}
+    stamps: list[float] = []
+    usage_tokens = None
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", req.path, json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                return Result(False, f"HTTP {resp.status_code}: {text[:200]}")
+            buf = b""
+            async for data in resp.aiter_bytes():
+                now = time.perf_counter()
+                buf += data.replace(b"\r\n", b"\n") if b"\r" in data else data
+                *events, buf = buf.split(b"\n\n")
+                for event in events:
+                    if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(event[6:])
+                    if chunk.get("usage"):
+                        usage_tokens = chunk["usage"]["completion_tokens"]
+                    for c in chunk.get("choices") or ():
+                        delta = c.get("delta") or {}
+                        if c.get("text") or delta.get("content"):
+                            stamps.append(now)
+    except httpx.HTTPError as e:
+        return Result(False, f"{type(e).__name__}: {e}")
+    end = time.perf_counter()
+    if not stamps:
+        return Result(False, "no text streamed")
+    return Result(
+        ok=True,
+        ttft=stamps[0] - t0,
+        e2e=end - t0,
+        itl=[b - a for a, b in zip(stamps, stamps[1:])],
+        output_tokens=usage_tokens if usage_tokens is not None else len(stamps),
+        chunks=len(stamps),
+    )
+
+
+def http_client(args, base_url: str) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(args.request_timeout)
+    return httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=timeout)
+
+
+async def warm_up(args, base_url: str, model: str, reqs: list[Request]) -> None:
+    """Every prompt once, all at once, 4 tokens each: the engine meets the workload's batch
+    shapes (allocator growth, kernel choices) before anything is timed."""
+    async with http_client(args, base_url) as client:
+        results = await asyncio.gather(*(send(client, model, warmup_request(r)) for r in reqs))
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        print(f"warm-up: {len(failed)} requests failed, e.g. {failed[0]}")
+
+
+async def drive(args, base_url, model, reqs, rate, seed, start_at) -> tuple[list, float, float]:
+    """Send `reqs` as a Poisson process of `rate` from wall time `start_at`; the results, the
+    wall time the last one ended, and this process's CPU seconds."""
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(args.max_concurrency or len(reqs))
+
+    async def limited(client, req):
+        async with limit:
+            return await send(client, model, req)
+
+    async with http_client(args, base_url) as client:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        cpu0 = time.process_time()
+        tasks = []
+        for req in reqs:
+            tasks.append(asyncio.create_task(limited(client, req)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.time(), time.process_time() - cpu0
+
+
+def drive_shard(*a) -> tuple[list, float, float]:
+    return asyncio.run(drive(*a))
+
+
+def run_rate(args, base_url: str, model: str, reqs: list[Request], rate: float) -> dict:
+    """One rate. With --client-procs P, P processes each send every P-th request at rate/P
+    (P independent Poisson processes add up to one of the full rate)."""
+    procs = min(args.client_procs, len(reqs))
+    start_at = time.time() + (3.0 if procs > 1 else 0.0)  # time for the workers to start
+    if procs == 1:
+        parts = [drive_shard(args, base_url, model, reqs, rate, args.seed + 1, start_at)]
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+            futures = [
+                pool.submit(
+                    drive_shard, args, base_url, model, reqs[i::procs], rate / procs,
+                    args.seed + 1 + i, start_at,
+                )
+                for i in range(procs)
+            ]  # fmt: skip
+            parts = [f.result() for f in futures]
+    results: list = [None] * len(reqs)
+    for i, (part, _, _) in enumerate(parts):
+        results[i::procs] = part
+    duration = max(end for _, end, _ in parts) - start_at
+    cpu = max(cpu for _, _, cpu in parts)  # the busiest client process
+    return summarize(rate, results, reqs, duration, cpu)
+
+
+def warmup_request(req: Request) -> Request:
+    return Request(dict(req.body, max_tokens=4), req.path, req.prompt, 4)
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    xs = sorted(values)
+
+    def pct(q: float) -> float:  # linear interpolation, as numpy's default
+        k = (len(xs) - 1) * q / 100
+        lo, hi = math.floor(k), math.ceil(k)
+        return 1000 * (xs[lo] + (xs[hi] - xs[lo]) * (k - lo))
+
+    return {"mean": 1000 * sum(xs) / len(xs), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
+
+
+def summarize(rate, results: list[Result], reqs, duration: float, cpu: float) -> dict:
+    ok = [r for r in results if r.ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    out_tokens = sum(r.output_tokens for r in ok)
+    wrong_len = sum(r.output_tokens != q.output_len for r, q in zip(results, reqs) if r.ok)
+    return {
+        "rate": "inf" if math.isinf(rate) else rate,
+        "requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors,
+        "wrong_length": wrong_len,
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "output_tokens": out_tokens,
+        "tokens_per_chunk": out_tokens / max(1, sum(r.chunks for r in ok)),
+        "ttft_ms": percentiles([r.ttft for r in ok]),
+        "itl_ms": percentiles([x for r in ok for x in r.itl]),
+        "tpot_ms": percentiles(
+            [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+        ),
+        "e2e_ms": percentiles([r.e2e for r in ok]),
+        "client_cpu_frac": cpu / duration,
+    }
