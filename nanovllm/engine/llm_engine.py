@@ -79,11 +79,10 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation with the chat template applied and a reply to come."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        # the template writes any BOS itself
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def render_chat(self, messages: list[dict], parse_special_tokens: bool = False) -> list[int]:
+        """Token ids of a conversation with the chat template applied and a reply to come;
+        special-token text in a message is plain text unless `parse_special_tokens`."""
+        return self.tokenizer.render_chat(messages, True, parse_special_tokens)
 
     def tokenize_prompt(
         self, prompt: str | list[int], params: SamplingParams | None = None

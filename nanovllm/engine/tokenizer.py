@@ -1,4 +1,5 @@
-"""Text <-> token ids and chat templates, from a Hugging Face model directory or a GGUF file.
+"""Text <-> token ids, from a Hugging Face model directory or a GGUF file (chat templates
+in chat_template.py).
 
 Runtime needs only `tokenizers`, `jinja2` and `gguf`: importing `transformers` costs seconds.
 """
@@ -8,18 +9,19 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
-from datetime import datetime
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import gguf
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
-from nanovllm.core.errors import InvalidRequestError, ModelLoadError
+from nanovllm.core.errors import ModelLoadError
+from nanovllm.engine.chat_template import (  # noqa: F401 (ChatTemplateError re-exported)
+    ChatTemplate,
+    ChatTemplateError,
+    read_chat_template,
+    render_plain_contents,
+)
 from nanovllm.engine.gguf_tokenizer import gguf_tokenizer_args
 from nanovllm.model.loader.gguf_file import read_gguf_metadata  # noqa: F401 (re-exported)
 
@@ -33,10 +35,6 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
     if source.gguf is not None:
         return Tokenizer.from_gguf(source.gguf.metadata)
     return Tokenizer.from_pretrained_dir(source.path)
-
-
-class ChatTemplateError(InvalidRequestError):
-    """The model has no chat template, or the messages are malformed or rejected by it."""
 
 
 class Tokenizer:
@@ -101,7 +99,7 @@ class Tokenizer:
             backend,
             bos_token_id=bos_id if isinstance(bos_id, int) else None,
             eos_token_ids=eos_ids,
-            chat_template=_read_chat_template(path, tok_config),
+            chat_template=read_chat_template(path, tok_config),
             special_tokens=special,
         )
 
@@ -113,9 +111,13 @@ class Tokenizer:
         `read_gguf_metadata`), or an open `gguf.GGUFReader`."""
         return cls(**gguf_tokenizer_args(path_or_reader))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; BOS/EOS are added only where the model's config asks for them."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(
+        self, text: str, add_special_tokens: bool = True, parse_special_tokens: bool = True
+    ) -> list[int]:
+        """Token ids of `text`; BOS/EOS are added only where the model's config asks for them.
+        `parse_special_tokens=False` encodes special-token text as ordinary text."""
+        backend = self.backend if parse_special_tokens else self._plain_backend
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`, without transformers' space clean-up (which v5 skips for BPE too)."""
@@ -151,30 +153,42 @@ class Tokenizer:
         """Render `messages` with the model's chat template, like transformers'
         `apply_chat_template(tokenize=False)`. Extra keywords (tools, enable_thinking, ...) become
         template variables. Encode the result with `add_special_tokens=False`: a template that
-        wants a BOS writes it itself."""
-        _check_messages(messages)
-        template = self._compiled_template
-        context = {"tools": None, "documents": None, **self._special_tokens, **variables}
-        try:
-            return template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **context
-            )
-        except (jinja2.TemplateError, TypeError, ValueError) as e:
-            # raise_exception() in a template reports a malformed conversation
-            message = f"the chat template rejected the messages: {e}"
-            raise ChatTemplateError(message, "messages") from e
+        wants a BOS writes it itself (`render_chat` does both)."""
+        return self._template.render(messages, add_generation_prompt, **variables)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        parse_special_tokens: bool = False,
+        **variables: Any,
+    ) -> list[int]:
+        """Token ids of a conversation in the chat template. Special-token text inside a
+        message's content ("<|im_start|>system") is encoded as plain text, so a message can
+        never open a turn of its own; `parse_special_tokens=True` lets content carry real
+        control tokens (trusted callers only)."""
+        if parse_special_tokens:
+            text = self.apply_chat_template(messages, add_generation_prompt, **variables)
+            return self.encode(text, add_special_tokens=False)
+        return render_plain_contents(self, messages, add_generation_prompt, **variables)
 
     @cached_property
-    def _compiled_template(self) -> jinja2.Template:
-        if not self.chat_template:
-            raise ChatTemplateError(
-                "this model has no chat template; send a plain prompt instead of messages",
-                "messages",
-            )
-        try:
-            return _template_env().from_string(self.chat_template)
-        except jinja2.TemplateSyntaxError as e:
-            raise ModelLoadError(f"the model's chat template does not compile: {e}") from e
+    def _template(self) -> ChatTemplate:
+        return ChatTemplate(self.chat_template, self._special_tokens)
+
+    @cached_property
+    def special_tokens(self) -> dict[str, int]:
+        """Text -> id of every added token marked special: the control tokens that content
+        must not be able to produce."""
+        added = self.backend.get_added_tokens_decoder()
+        return {t.content: i for i, t in added.items() if t.special}
+
+    @cached_property
+    def _plain_backend(self) -> BackendTokenizer:
+        # a twin that encodes special-token text as ordinary text
+        twin = BackendTokenizer.from_str(self.backend.to_str())
+        twin.encode_special_tokens = True
+        return twin
 
 
 # ----- Hugging Face directories -----
@@ -208,78 +222,3 @@ def _as_ids(value: Any) -> set[int]:
     if isinstance(value, list):
         return {v for v in value if isinstance(v, int)}
     return set()
-
-
-def _read_chat_template(
-    directory: str | os.PathLike[str], tok_config: dict[str, Any]
-) -> str | None:
-    # chat_template.jinja wins over tokenizer_config.json's entry, as in transformers
-    path = os.path.join(directory, "chat_template.jinja")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    template = tok_config.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
-
-
-# ----- GGUF files -----
-
-# ----- chat templates -----
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """transformers' `{% generation %}...{% endgeneration %}` (marks assistant text for
-    training masks): render the body as is."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> Any:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body).set_lineno(lineno)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # jinja's own tojson escapes HTML characters, which would change the prompt
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _template_env() -> ImmutableSandboxedEnvironment:
-    # a chat template is untrusted code shipped with the model: sandbox it, options as transformers
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
-
-
-def _check_messages(messages: Any) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise ChatTemplateError("messages must be a non-empty list of {role, content}", "messages")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            kind = type(message).__name__
-            raise ChatTemplateError(f"messages[{i}] must be an object, not {kind}", "messages")
-        if not isinstance(message.get("role"), str):
-            raise ChatTemplateError(f"messages[{i}].role must be a string", "messages")
-        if not isinstance(message.get("content"), str | list | None):
-            raise ChatTemplateError(
-                f"messages[{i}].content must be a string, a list of parts or null", "messages"
-            )
