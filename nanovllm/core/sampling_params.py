@@ -1,6 +1,17 @@
+import math
 from dataclasses import dataclass, field
 
 from nanovllm.core.errors import InvalidRequestError
+
+# Stop conditions are checked every step for every sequence, so their size is bounded
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+# these must be finite: NaN compares false with every bound and would pass the range checks
+_FLOAT_PARAMS = (
+    "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass
@@ -9,6 +20,8 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k 0 (or -1) and top_p 1 and min_p 0 disable
     those filters. A seed makes sampling reproducible whatever else is in the batch.
+    Every float is finite; at most MAX_STOP_STRINGS stop strings of at most
+    MAX_STOP_STRING_CHARS characters each, and at most MAX_STOP_TOKEN_IDS stop token ids.
     """
 
     n: int = 1
@@ -38,8 +51,12 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.stop, str):
             self.stop_list = [self.stop]
-        else:
+        elif isinstance(self.stop, list | tuple | None):
             self.stop_list = list(self.stop or [])
+        else:
+            raise InvalidRequestError("stop must be a string or a list of strings", "stop")
+        if not isinstance(self.stop_token_ids, list | tuple | None):
+            raise InvalidRequestError("stop_token_ids must be a list of ids", "stop_token_ids")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
         self.plain = (
@@ -62,10 +79,16 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(param: str, why: str) -> None:
-            raise InvalidRequestError(
-                f"{param}={getattr(self, param)!r} is invalid: {why}", param=param
-            )
+            value = repr(getattr(self, param))
+            value = value if len(value) <= 60 else value[:57] + "..."
+            raise InvalidRequestError(f"{param}={value} is invalid: {why}", param=param)
 
+        for name in _FLOAT_PARAMS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                bad(name, "use a number")
+            if not math.isfinite(value):
+                bad(name, "use a finite number")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "use an integer >= 1")
         if self.temperature < 0:
@@ -96,5 +119,14 @@ class SamplingParams:
             bad("seed", "use an integer")
         if any(not isinstance(s, str) or not s for s in self.stop_list):
             bad("stop", "use non-empty strings")
+        if len(self.stop_list) > MAX_STOP_STRINGS:
+            bad("stop", f"use at most {MAX_STOP_STRINGS} stop strings, not {len(self.stop_list)}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop_list):
+            longest = max(len(s) for s in self.stop_list)
+            bad("stop", f"a stop string has {longest} characters; use at most "
+                f"{MAX_STOP_STRING_CHARS}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "use non-negative token ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"use at most {MAX_STOP_TOKEN_IDS} ids, not "
+                f"{len(self.stop_token_ids)}")
