@@ -5,6 +5,7 @@ import itertools
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
@@ -65,6 +66,8 @@ class EngineClient:
         self._sender = threading.Thread(target=self._send_loop, name="engine-send", daemon=True)
         self._sender.start()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # called once, on the event loop, when the engine is gone (launch.py stops the server)
+        self.on_death: Callable[[str], None] | None = None
 
     @classmethod
     def start(cls, config: EngineProcessConfig) -> "EngineClient":
@@ -230,7 +233,7 @@ class EngineClient:
             return
         self.error = reason
         level = logging.WARNING if orderly else logging.ERROR
-        log.log(level, "%s; /health now fails and new requests get 503", reason)
+        log.log(level, "%s; requests in flight end with an error, new ones get 503", reason)
         err = EngineDeadError(reason)
         for fut in [*self._acks.values(), *self._stats.values()]:
             if not fut.done():
@@ -238,3 +241,5 @@ class EngineClient:
         for q in self._queues.values():
             q.put_nowait(err)
         self._queues.clear()
+        if self.on_death is not None:
+            self.on_death(reason)

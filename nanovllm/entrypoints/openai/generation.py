@@ -103,6 +103,7 @@ class Generation:
             merged: dict[int, Delta] = {}
             for d in items:
                 if isinstance(d, Exception):
+                    self._end_with_error()
                     raise d
                 sub = self.subs[d.request_id]
                 i = sub.prompt_index * self.n + d.index
@@ -160,6 +161,15 @@ class Generation:
             time.monotonic() - self.arrival,
             reasons,
         )
+
+    def _end_with_error(self) -> None:
+        """The engine is gone: what has not finished ends with finish reason "error"."""
+        for choice in self.choices:
+            choice.finish_reason = choice.finish_reason or "error"
+        for sub in self.subs.values():
+            if sub.added and sub.left > 0:
+                sub.left = 0
+                self._log(sub)
 
     def close(self) -> None:
         """Abort what has not finished (the client left, or an error); idempotent."""

@@ -1,6 +1,7 @@
 """`nanovllm serve`: check the address, start the engine process, wait until it is ready,
 serve HTTP."""
 
+import asyncio
 import logging
 import os
 import socket
@@ -16,6 +17,8 @@ from nanovllm.entrypoints.openai.engine_client import EngineClient
 from nanovllm.entrypoints.openai.serving import MAX_N, ServerConfig
 
 log = logging.getLogger("nanovllm.server")
+
+ENGINE_DEATH_GRACE_S = 0.5  # after the engine dies, time for in-flight errors to go out
 
 
 @dataclass(frozen=True)
@@ -61,12 +64,28 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
         # uvicorn ends the process by re-raising SIGTERM, past any `finally`)
         stack_sampler.from_env(".front")
         # per-request log lines replace uvicorn's access log
-        uvicorn.run(
+        http = uvicorn.Server(uvicorn.Config(
             app, host=server.host, port=server.port, access_log=False,
             timeout_graceful_shutdown=5,
-        )
+        ))  # fmt: skip
+        died: list[str] = []
+
+        def on_death(reason: str) -> None:
+            if http.should_exit:  # stopping already (Ctrl-C, SIGTERM): the engine went too
+                return
+            # no zombie server: let the failed requests' answers go out, then exit non-zero
+            # so a supervisor (systemd, Kubernetes, a router) starts a fresh one
+            died.append(reason)
+            asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, setattr, http,
+                                                  "should_exit", True)
+
+        client.on_death = on_death
+        http.run()
     finally:
         client.shutdown()
+    if died:
+        log.error("exiting with status 1: %s", died[0])
+        return 1
     return 0
 
 

@@ -30,11 +30,12 @@ async def respond(request: Request, gen: Generation, shape: ResponseShape) -> Re
     try:
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        gone.cancel()
-        collect.cancel()  # no-op once done
+        for task in (gone, collect):  # no-op once done; wait for the cancellations to land
+            task.cancel()
+        await asyncio.gather(gone, collect, return_exceptions=True)
         gen.close()  # aborts what the client no longer waits for
     if collect.cancelled():
-        return Response(status_code=499)  # the client has gone
+        return Response(status_code=499)  # the client has gone: nobody reads this
     collect.result()  # raises what collecting raised
     choices = [
         shape.choice(i, "".join(c.text), c.logprobs, c.finish_reason, c.stop_reason)
