@@ -80,7 +80,10 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
                                                   "should_exit", True)
 
         client.on_death = on_death
-        http.run()
+        try:
+            http.run()
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: a clean stop
+            pass
     finally:
         client.shutdown()
     if died:
