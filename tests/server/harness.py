@@ -3,6 +3,7 @@ helpers to read its errors, metrics, streams and logs. Fixtures are in conftest.
 
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -68,6 +69,8 @@ class ServerProcess:
         self.log_path = log_path
         flags = f"--host 127.0.0.1 --port {self.port} --device cpu"
         self.args = [sys.executable, "-m", "nanovllm", "serve", *flags.split(), *args]
+        key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        self.auth = {"Authorization": f"Bearer {key}"} if key else {}  # for scrape()
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
         paths = [str(REPO), os.environ.get("PYTHONPATH")]  # this checkout, installed or not
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
@@ -88,6 +91,17 @@ class ServerProcess:
     def log_tail(self, lines: int = 40) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
+
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size
+
+    def log_problems(self, since: int = 0) -> list[str]:
+        """Log lines after byte `since` that report an error or a traceback: a request,
+        however hostile, must never cause one."""
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            lines = f.read().decode(errors="replace").splitlines()
+        return [ln for ln in lines if re.search(r"\bERROR\b|CRITICAL|Traceback", ln)]
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -163,9 +177,14 @@ def start_server(tmp_path_factory, name: str, *args: str, env: dict | None = Non
     return srv
 
 
-def stop_server(srv: ServerProcess) -> None:
+def stop_server(srv: ServerProcess, clean_log: bool = True) -> None:
+    """Stop `srv`; it must shut down cleanly and, with `clean_log`, have logged no error or
+    traceback in its whole life."""
     problems = srv.stop()
     assert not problems, "unclean shutdown: " + "; ".join(problems) + "\n" + srv.log_tail()
+    if clean_log:
+        errors = srv.log_problems()
+        assert not errors, f"the server logged {len(errors)} errors:\n" + "\n".join(errors[:20])
 
 
 def async_client(srv: ServerProcess, key: str = "dummy") -> openai.AsyncOpenAI:
@@ -196,7 +215,7 @@ def error_of(resp: httpx.Response, status: int, srv: ServerProcess) -> dict:
 
 def scrape(srv: ServerProcess) -> dict[str, dict[tuple, float]]:
     """Sample name -> {sorted label items: value}, from /metrics via prometheus_client."""
-    resp = httpx.get(srv.url + "/metrics", timeout=10)
+    resp = httpx.get(srv.url + "/metrics", headers=srv.auth, timeout=10)
     assert resp.status_code == 200, resp.text
     samples: dict[str, dict[tuple, float]] = {}
     for family in text_string_to_metric_families(resp.text):

@@ -33,12 +33,12 @@ STRICT_SEQS, STRICT_WAITING = 2, 2
 def strict_server(tmp_path_factory):
     """Its own server (an API key, a tiny waiting queue); the last test kills its engine."""
     flags = (
-        f"--api-key {API_KEY} --max-model-len 256 --max-num-seqs {STRICT_SEQS} "
-        f"--max-num-waiting {STRICT_WAITING} --kv-cache-gib 0.1"
+        f"--api-key {API_KEY} --protect-metrics --max-model-len 256 "
+        f"--max-num-seqs {STRICT_SEQS} --max-num-waiting {STRICT_WAITING} --kv-cache-gib 0.1"
     )
     srv = start_server(tmp_path_factory, "strict", *flags.split())
     yield srv
-    stop_server(srv)
+    stop_server(srv, clean_log=False)  # its last test kills the engine
 
 
 def test_api_key_required_on_v1(strict_server, model):
@@ -50,12 +50,29 @@ def test_api_key_required_on_v1(strict_server, model):
         error_of(resp, 401, strict_server)
     ok = {"Authorization": f"Bearer {API_KEY}"}
     assert httpx.get(url + "/v1/models", headers=ok, timeout=10).status_code == 200
-    assert httpx.get(url + "/health", timeout=10).status_code == 200  # not a /v1 route
+    assert httpx.get(url + "/health", timeout=10).status_code == 200  # open for probes
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     good = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     resp = good.completions.create(model=model, prompt=COUNTING, max_tokens=3, **GREEDY)
     assert resp.usage.completion_tokens == 3
+
+
+def test_api_key_required_on_tokenize_detokenize_and_protected_metrics(strict_server, model):
+    """They expose the model (vocabulary, chat template) or its load; /health stays open."""
+    url, ok = strict_server.url, {"Authorization": f"Bearer {API_KEY}"}
+    calls = [
+        ("POST", "/tokenize", {"model": model, "prompt": "Hi"}),
+        ("POST", "/detokenize", {"model": model, "tokens": [1, 2]}),
+        ("GET", "/metrics", None),  # --protect-metrics
+    ]
+    for method, path, body in calls:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            resp = httpx.request(method, url + path, json=body, headers=headers, timeout=10)
+            assert error_of(resp, 401, strict_server)["code"] == "invalid_api_key"
+        resp = httpx.request(method, url + path, json=body, headers=ok, timeout=10)
+        assert resp.status_code == 200, resp.text
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
 
 
 def test_overload_gets_429_quickly(strict_server, model):

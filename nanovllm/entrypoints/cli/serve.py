@@ -20,8 +20,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=port, default=8000, help="TCP port to listen on")
     g.add_argument(
         "--api-key", metavar="KEY", default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NANOVLLM_API_KEY, "
-        "or no key)",
+        help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize "
+        "(default: $NANOVLLM_API_KEY, or no key); /health stays open",
+    )
+    g.add_argument(
+        "--protect-metrics", action="store_true",
+        help="with an API key, /metrics requires it too (default: /metrics is open, like "
+        "/health, for a Prometheus scraper)",
     )
     g.add_argument(
         "--served-model-name", metavar="NAME", default=None,
@@ -44,6 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model, engine_config(args), args.max_num_waiting, args.log_interval
     )
     server = ServerSettings(
-        args.host, args.port, args.api_key, args.served_model_name, args.max_request_bytes
+        args.host, args.port, args.api_key, args.served_model_name, args.max_request_bytes,
+        args.protect_metrics,
     )
     return run_server(engine, server)

@@ -1,20 +1,21 @@
 """The OpenAI-compatible HTTP routes: FastAPI in this process, the engine in another.
 
-Here: auth, body limits, the routes and how each error reaches the client. Tokenization,
-chat templates and prompt checks are in serving.py; a generation's fan-out and Deltas in
-generation.py, its SSE or JSON answer in responses.py. The engine process owns scheduling,
-the model and stop strings, and sends deltas (see nanovllm/engine/engine_proc.py).
+Here: auth, the routes, the responses each declares and how each error reaches the client.
+Bodies are read in request_body.py and published in /openapi.json by openapi.py.
+Tokenization, chat templates and prompt checks are in serving.py; a generation's fan-out
+and Deltas in generation.py, its SSE or JSON answer in responses.py. The engine process
+owns scheduling, the model and stop strings, and sends deltas (see
+nanovllm/engine/engine_proc.py).
 """
 
-import json
 import logging
 import secrets
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.core.errors import NanoVLLMError
@@ -22,6 +23,18 @@ from nanovllm.engine.tokenizer import Tokenizer
 from nanovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError
 from nanovllm.entrypoints.openai.errors import APIError, api_error
 from nanovllm.entrypoints.openai.generation import Generation
+from nanovllm.entrypoints.openai.openapi import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelList,
+    TokenizeResponse,
+    json_body,
+    publish,
+    responses,
+)
 from nanovllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatShape,
@@ -30,11 +43,13 @@ from nanovllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from nanovllm.entrypoints.openai.request_body import body_read, read_json
 from nanovllm.entrypoints.openai.responses import respond
 from nanovllm.entrypoints.openai.serving import Server, ServerConfig
 
 log = logging.getLogger("nanovllm.server")
-T = TypeVar("T", bound=BaseModel)
+# declares the key in /openapi.json; check_key does the comparison
+_bearer = HTTPBearer(auto_error=False, description="the server's --api-key")
 
 
 def build_app(client: EngineClient, tokenizer: Tokenizer, config: ServerConfig) -> FastAPI:
@@ -51,40 +66,51 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, config: ServerConfig) 
     app = FastAPI(title="nano-vLLM", lifespan=lifespan)
     app.state.server = server
 
-    async def check_key(request: Request) -> None:
-        if config.api_key is None:
-            return
+    async def check_key(
+        request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    ) -> None:
         given = request.headers.get("authorization", "").encode()
         if not secrets.compare_digest(given, f"Bearer {config.api_key}".encode()):
             msg = "missing or wrong API key: send 'Authorization: Bearer <key>'"
             raise APIError(401, msg, None, "invalid_api_key")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    # with --api-key: every route that serves the model (/health stays open for probes)
+    keyed = [Depends(check_key)] if config.api_key else []
+    auth = (401,) if config.api_key else ()
+    post = (400, *auth, 404, 413, 415)  # any route that reads a body
+    v1 = APIRouter(prefix="/v1", dependencies=keyed)
 
     @app.exception_handler(APIError)
     @app.exception_handler(NanoVLLMError)  # invalid requests, rejections, a dead engine
     async def known_error(request: Request, e: Exception) -> JSONResponse:
-        err = api_error(e)
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        return _error_response(request, api_error(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return await known_error(request, APIError(e.status_code, str(e.detail)))
+        # Starlette's 405 names the allowed methods in its Allow header
+        err = APIError(e.status_code, str(e.detail), headers=dict(e.headers or {}))
+        return _error_response(request, err)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
-        # Starlette re-raises it after this response, and uvicorn logs the traceback
+        # a bug: Starlette re-raises it after this response, and uvicorn logs the traceback
         log.error("internal error in %s %s: %r", request.method, request.url.path, e)
-        return await known_error(request, e)
+        return _error_response(request, api_error(e), close=True)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=responses(None, (503,)))
     async def health() -> Response:
+        """200 while the engine process runs (no key needed: for probes)."""
         if not client.alive:
             raise EngineDeadError(client.error or "the engine process has exited")
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    metrics_keyed = keyed if config.protect_metrics else []
+    metrics_auth = auth if config.protect_metrics else ()
+
+    @app.get("/metrics", response_class=PlainTextResponse, dependencies=metrics_keyed,
+             responses=responses(None, metrics_auth))
     async def metrics() -> Response:
+        """Prometheus text; needs the key only with --protect-metrics."""
         try:
             snapshot = await client.stats() if client.alive else None
         except (EngineDeadError, TimeoutError):
@@ -92,33 +118,37 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, config: ServerConfig) 
         body = server.metrics.render(snapshot)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @v1.get("/models")
+    @v1.get("/models", response_model=ModelList, responses=responses(ModelList, auth))
     async def models() -> dict:
         card = {"id": server.model_name, "object": "model", "created": server.created}
         card |= {"owned_by": "nanovllm", "max_model_len": server.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=json_body(CompletionRequest),
+             responses=responses(CompletionResponse, (*post, 429, 503), chunk=CompletionChunk))
     async def completions(request: Request) -> Response:
-        req = await _read_json(request, CompletionRequest, limit)
+        req = await read_json(request, CompletionRequest, limit)
         server.check_model(req.model)
         params = server.sampling_params(req)
         prompts = [server.prompt_ids(p, params.max_tokens) for p in req.prompts()]
         gen = Generation(server, "cmpl", req, params, prompts)
         return await respond(request, gen, CompletionShape(req, server.token_str))
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest),
+             responses=responses(ChatCompletionResponse, (*post, 429, 503),
+                                 chunk=ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
-        req = await _read_json(request, ChatCompletionRequest, limit)
+        req = await read_json(request, ChatCompletionRequest, limit)
         server.check_model(req.model)
         params = server.sampling_params(req)
         ids = server.chat_ids(req, params.max_tokens)
         gen = Generation(server, "chatcmpl", req, params, [ids])
         return await respond(request, gen, ChatShape(req, server.token_str))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=keyed, openapi_extra=json_body(TokenizeRequest),
+              response_model=TokenizeResponse, responses=responses(TokenizeResponse, post))
     async def tokenize(request: Request) -> dict:
-        req = await _read_json(request, TokenizeRequest, limit)
+        req = await read_json(request, TokenizeRequest, limit)
         server.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
@@ -128,36 +158,26 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, config: ServerConfig) 
             ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=keyed, openapi_extra=json_body(DetokenizeRequest),
+              response_model=DetokenizeResponse, responses=responses(DetokenizeResponse, post))
     async def detokenize(request: Request) -> dict:
-        req = await _read_json(request, DetokenizeRequest, limit)
+        req = await read_json(request, DetokenizeRequest, limit)
         server.check_model(req.model)
         return {"prompt": server.decode(req.tokens)}
 
     app.include_router(v1)
+    publish(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app
 
 
-async def _read_json(request: Request, model: type[T], limit: int) -> T:
-    """The body as `model`: 413 past `limit` bytes (declared or sent), 400 if malformed."""
-    too_large = APIError(
-        413, f"the request body is larger than the limit of {limit} bytes", None, "too_large"
+def _error_response(request: Request, err: APIError, close: bool = False) -> JSONResponse:
+    """`err` as OpenAI's error body. `Connection: close` when the connection cannot serve
+    another request as it is: a bug (`close`), or a body left unread, which would otherwise
+    be drained whatever its size."""
+    headers = dict(err.headers or {})
+    has_body = request.headers.get("content-length", "0") != "0" or (
+        "transfer-encoding" in request.headers
     )
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise too_large
-    body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > limit:
-            raise too_large
-    try:
-        data = json.loads(body)
-    except ValueError as e:
-        raise APIError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from e
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object", None, "invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise APIError.from_validation(e) from e
+    if close or (has_body and not body_read(request)):
+        headers["Connection"] = "close"
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)

@@ -1,7 +1,7 @@
 """Errors as the client sees them: an HTTP status and OpenAI's {"error": {...}} body, and the
 status each kind of failure maps to (the engine names a reason, never a status)."""
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
@@ -39,16 +39,70 @@ class APIError(Exception):
         }
 
     @classmethod
-    def from_validation(cls, e: ValidationError) -> "APIError":
-        """A request body that does not parse as its pydantic model: 400."""
-        errors = e.errors()
-        loc = errors[0]["loc"]
-        param = str(loc[0]) if loc else None
-        if len([x for x in errors if x["loc"][:1] == loc[:1]]) > 1:  # every union member failed
-            msg = f"{param}: the value matches none of its accepted types"
+    def from_validation(cls, e: ValidationError, data: Any = None) -> "APIError":
+        """A request body `data` that does not parse as its pydantic model: 400 naming the
+        deepest failing place (`messages[0].role`), or the value every type of a union
+        refused."""
+        places = [_place(x, data) for x in e.errors(include_url=False)]
+        field = places[0].path[:1]
+        places = [p for p in places if p.path[:1] == field]
+        deepest = max(len(p.path) for p in places)
+        places = [p for p in places if len(p.path) == deepest]
+        # a member of the right type that refused the value says more than one of another type
+        places = [p for p in places if not p.wrong_type] or places
+        members = dict.fromkeys(p.tags[0] for p in places if p.tags)
+        if len(members) > 1:  # no member of a union got further than another
+            where = render_path(_common_prefix([p.path for p in places]))
+            msg = f"{where}: the value matches none of its accepted types ({', '.join(members)})"
         else:
-            msg = f"{'.'.join(str(x) for x in loc) or 'body'}: {errors[0]['msg']}"
-        return cls(400, msg, param, "invalid_value")
+            msg = f"{render_path(places[0].path) or 'body'}: {places[0].message}"
+        return cls(400, msg, str(field[0]) if field else None, "invalid_value")
+
+
+class _Place(NamedTuple):
+    path: tuple  # keys and indexes into the body
+    tags: tuple[str, ...]  # what pydantic adds to a location in a union: 'str', 'list[int]'
+    message: str
+    wrong_type: bool  # the value is not of the type (rather than outside its bounds)
+
+
+def _place(err: dict[str, Any], data: Any) -> _Place:
+    """Where in `data` a pydantic error is, told apart from the union tags of its location."""
+    path, tags, node = [], [], data
+    loc = err["loc"]
+    for i, key in enumerate(loc):
+        missing = i == len(loc) - 1 and err["type"] == "missing"
+        if isinstance(node, dict) and (key in node or missing):
+            path.append(key)
+            node = node.get(key)
+        elif isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
+            path.append(key)
+            node = node[key]
+        else:
+            tags.append(str(key).replace("constrained-", ""))
+    message, given = err["msg"], err.get("input")
+    if isinstance(given, str | int | float | bool) and len(repr(given)) <= 60:
+        message += f", not {given!r}"
+    return _Place(tuple(path), tuple(tags), message, err["type"].endswith("_type"))
+
+
+def _common_prefix(paths: list[tuple]) -> tuple:
+    first = paths[0]
+    n = next((i for i, key in enumerate(first) if any(p[i] != key for p in paths)), len(first))
+    return first[:n]
+
+
+def render_path(path: tuple) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role'; keys that are not valid Unicode are
+    escaped, so the error body can be encoded."""
+    out = ""
+    for key in path:
+        if isinstance(key, int):
+            out += f"[{key}]"
+        else:
+            key = str(key).encode("utf-8", "backslashreplace").decode()
+            out += f".{key}" if out else key
+    return out
 
 
 def api_error(e: Exception) -> APIError:

@@ -30,6 +30,7 @@ class ServerSettings:
     api_key: str | None = None  # None: $NANOVLLM_API_KEY, or no key
     served_model_name: str | None = None  # None: the model directory's or file's name
     max_request_bytes: int = 1 << 20
+    protect_metrics: bool = False  # /metrics needs the API key too
 
 
 def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
@@ -50,6 +51,7 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
             api_key=server.api_key or os.environ.get("NANOVLLM_API_KEY") or None,
             max_request_bytes=server.max_request_bytes,
             max_n=min(MAX_N, engine.engine.max_num_seqs),
+            protect_metrics=server.protect_metrics,
         )
         app = build_app(client, tokenizer, config)
         log.info(

@@ -3,37 +3,69 @@ holds the error bodies)."""
 
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from nanovllm.core.errors import InvalidRequestError
-from nanovllm.core.sampling_params import SamplingParams
+from nanovllm.core.sampling_params import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
 MAX_LOGPROBS = 20  # top logprobs per token, as vLLM's default max_logprobs
+# what chat templates understand; OpenAI's "developer" is its newer name for "system"
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+# The published bounds are SamplingParams' own (tests/server/test_protocol.py holds them
+# equal), so /openapi.json tells what the engine accepts
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+TokenId = Annotated[int, Field(ge=0)]
 
 
-class StreamOptions(BaseModel):
+class _Request(BaseModel):
+    """Types as JSON has them (no "1" for 1, no 1 for true), floats finite."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _GenerateRequest(BaseModel):
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    """One message of a chat; other fields (name, tool_calls, ...) reach the template."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal[ROLES]
+    content: str | list[TextPart] | None = None
+
+
+class _GenerateRequest(_Request):
     """Fields common to completions and chat completions (None: the engine's default)."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    stop: StopString | StopStrings | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
@@ -41,18 +73,13 @@ class _GenerateRequest(BaseModel):
     stream_options: StreamOptions | None = None
     # extensions: lower priority is served first; timeout in seconds from arrival
     priority: int = 0
-    timeout: float | None = Field(default=None, gt=0)
+    timeout: float | None = Field(None, gt=0)
 
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if logprobs is not None and logprobs > MAX_LOGPROBS:
-            raise InvalidRequestError(
-                f"at most {MAX_LOGPROBS} top logprobs per token can be returned, not {logprobs}",
-                "top_logprobs" if isinstance(self, ChatCompletionRequest) else "logprobs",
-            )
         given = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -79,8 +106,8 @@ class _GenerateRequest(BaseModel):
 
 class CompletionRequest(_GenerateRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions; null fills the context
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default; null fills the context
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -95,11 +122,11 @@ class CompletionRequest(_GenerateRequest):
 
 
 class ChatCompletionRequest(_GenerateRequest):
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI: max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
@@ -116,34 +143,29 @@ class ChatCompletionRequest(_GenerateRequest):
         return self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 
 
-def flatten_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Content given as a list of parts becomes one string: templates expect text."""
+def flatten_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as a template reads them: text parts joined into one string, and
+    "developer" as "system" (templates know no "developer")."""
     out = []
-    for i, m in enumerate(messages):
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise InvalidRequestError(
-                        f"messages[{i}].content: only text parts are supported", "messages"
-                    )
-                texts.append(str(part.get("text", "")))
-            m = {**m, "content": "".join(texts)}
-        out.append(m)
+    for m in messages:
+        message = m.model_dump(exclude_unset=True)
+        if isinstance(m.content, list):
+            message["content"] = "".join(part.text for part in m.content)
+        message["role"] = "system" if m.role == "developer" else m.role
+        out.append(message)
     return out
 
 

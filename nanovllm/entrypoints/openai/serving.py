@@ -1,13 +1,16 @@
 """What every route shares: the engine client, the tokenizer, the limits and the metrics, and
 the checks that turn a request body into prompts and sampling parameters."""
 
+import inspect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
 from nanovllm.core.errors import InvalidRequestError
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.core.validation import as_token_ids, check_prompt
+from nanovllm.engine.chat_template import ChatTemplate, render_plain_contents
 from nanovllm.engine.tokenizer import Tokenizer
 from nanovllm.entrypoints.openai.engine_client import EngineClient
 from nanovllm.entrypoints.openai.errors import APIError
@@ -23,6 +26,24 @@ MAX_N = 16  # completions per request, also capped by max_num_seqs
 GenerateRequest = CompletionRequest | ChatCompletionRequest
 
 
+def _named_parameters(*functions: Callable) -> frozenset[str]:
+    return frozenset(
+        name
+        for f in functions
+        for name, p in inspect.signature(f).parameters.items()
+        if p.kind is not p.VAR_KEYWORD
+    )
+
+
+# chat_template_kwargs may not set what the server passes itself: an argument of a function
+# on the rendering path (a TypeError, or a switch such as parse_special_tokens, otherwise),
+# or a special token the template reads from the model
+RESERVED_TEMPLATE_KWARGS = _named_parameters(
+    Tokenizer.apply_chat_template, Tokenizer.render_chat, ChatTemplate.render,
+    render_plain_contents,
+) | {"bos_token", "eos_token", "unk_token", "pad_token"}
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The front end's own settings, resolved at start-up."""
@@ -31,6 +52,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 1 << 20
     max_n: int = MAX_N
+    protect_metrics: bool = False  # /metrics needs the API key too
 
 
 class Server:
@@ -73,6 +95,11 @@ class Server:
     def render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         """As LLMEngine.render_chat: the template writes any BOS itself."""
         kwargs = getattr(req, "chat_template_kwargs", None) or {}
+        reserved = next((k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS), None)
+        if reserved is not None:
+            msg = (f"chat_template_kwargs.{reserved}: the server sets {reserved!r} itself; "
+                   "remove it (messages and add_generation_prompt are request fields)")
+            raise APIError(400, msg, "chat_template_kwargs", "invalid_value")
         messages = flatten_messages(req.messages)
         text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt, **kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
