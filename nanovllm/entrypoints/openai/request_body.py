@@ -54,8 +54,11 @@ def check_content_type(headers: Headers) -> None:
     json_type = media == "application/json" or (
         media.startswith("application/") and media.endswith("+json")
     )
-    if not json_type or charset not in ("utf-8", "utf8"):
+    if not json_type:
         msg = f"send the body as JSON with 'Content-Type: application/json', not {given!r}"
+        raise APIError(415, msg, None, "unsupported_media_type")
+    if charset not in ("utf-8", "utf8"):
+        msg = f"send JSON encoded as UTF-8 ('Content-Type: application/json'), not {given!r}"
         raise APIError(415, msg, None, "unsupported_media_type")
 
 
