@@ -82,7 +82,8 @@ fragments = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(contents=st.lists(fragments, min_size=1, max_size=3))
 def test_any_content_keeps_the_templates_control_tokens_alone(smollm, contents):
-    messages = [{"role": ("user", "assistant")[i % 2], "content": c} for i, c in enumerate(contents)]
+    roles = ("user", "assistant")
+    messages = [{"role": roles[i % 2], "content": c} for i, c in enumerate(contents)]
     ids = smollm.render_chat(messages)
     assert smollm.decode(ids, skip_special_tokens=False) == smollm.apply_chat_template(messages)
     # the control tokens are exactly those of the same conversation with harmless contents

@@ -177,14 +177,13 @@ def start_server(tmp_path_factory, name: str, *args: str, env: dict | None = Non
     return srv
 
 
-def stop_server(srv: ServerProcess, clean_log: bool = True) -> None:
-    """Stop `srv`; it must shut down cleanly and, with `clean_log`, have logged no error or
-    traceback in its whole life."""
+def stop_server(srv: ServerProcess) -> None:
+    """Stop `srv`; it must shut down cleanly and have logged no error or traceback in its
+    whole life."""
     problems = srv.stop()
     assert not problems, "unclean shutdown: " + "; ".join(problems) + "\n" + srv.log_tail()
-    if clean_log:
-        errors = srv.log_problems()
-        assert not errors, f"the server logged {len(errors)} errors:\n" + "\n".join(errors[:20])
+    errors = srv.log_problems()
+    assert not errors, f"the server logged {len(errors)} errors:\n" + "\n".join(errors[:20])
 
 
 def async_client(srv: ServerProcess, key: str = "dummy") -> openai.AsyncOpenAI:

@@ -130,7 +130,8 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, config: ServerConfig) 
         req = await read_json(request, CompletionRequest, limit)
         server.check_model(req.model)
         params = server.sampling_params(req)
-        prompts = [server.prompt_ids(p, params.max_tokens) for p in req.prompts()]
+        special = req.parse_special_tokens
+        prompts = [server.prompt_ids(p, params.max_tokens, special) for p in req.prompts()]
         gen = Generation(server, "cmpl", req, params, prompts)
         return await respond(request, gen, CompletionShape(req, server.token_str))
 
@@ -155,7 +156,8 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, config: ServerConfig) 
         if req.messages is not None:
             ids = server.render_chat(req)
         else:
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens,
+                                   parse_special_tokens=req.parse_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len}
 
     @app.post("/detokenize", dependencies=keyed, openapi_extra=json_body(DetokenizeRequest),

@@ -74,6 +74,9 @@ class _GenerateRequest(_Request):
     # extensions: lower priority is served first; timeout in seconds from arrival
     priority: int = 0
     timeout: float | None = Field(None, gt=0)
+    # special-token text in a prompt or message ("<|im_start|>") is plain text unless a
+    # trusted caller sets this: then it becomes the control tokens it spells
+    parse_special_tokens: bool = False
 
     @property
     def include_usage(self) -> bool:
@@ -149,6 +152,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    parse_special_tokens: bool = False  # as for completions and chat
 
 
 class DetokenizeRequest(_Request):

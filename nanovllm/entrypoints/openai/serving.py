@@ -80,9 +80,15 @@ class Server:
             raise APIError(400, msg, "n", "invalid_value")
         return params
 
-    def prompt_ids(self, prompt: str | list[int], max_tokens: int | None) -> list[int]:
-        """A completion prompt's token ids, checked as the engine checks them."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else as_token_ids(prompt)
+    def prompt_ids(
+        self, prompt: str | list[int], max_tokens: int | None, parse_special_tokens: bool
+    ) -> list[int]:
+        """A completion prompt's token ids, checked as the engine checks them; special-token
+        text is plain text unless `parse_special_tokens`."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, parse_special_tokens=parse_special_tokens)
+        else:
+            ids = as_token_ids(prompt)
         check_prompt(ids, self.vocab_size, self.max_model_len, max_tokens, "prompt")
         return ids
 
@@ -93,7 +99,8 @@ class Server:
         return ids
 
     def render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        """As LLMEngine.render_chat: the template writes any BOS itself."""
+        """As LLMEngine.render_chat: the template writes any BOS itself, and special-token
+        text inside a message is plain text unless the request sets parse_special_tokens."""
         kwargs = getattr(req, "chat_template_kwargs", None) or {}
         reserved = next((k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS), None)
         if reserved is not None:
@@ -101,8 +108,9 @@ class Server:
                    "remove it (messages and add_generation_prompt are request fields)")
             raise APIError(400, msg, "chat_template_kwargs", "invalid_value")
         messages = flatten_messages(req.messages)
-        text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt, **kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.render_chat(
+            messages, req.add_generation_prompt, req.parse_special_tokens, **kwargs
+        )
 
     def decode(self, ids: list[int]) -> str:
         """/detokenize: any ids of the vocabulary (not a prompt: empty, or long, is fine)."""
