@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import gguf
 from tokenizers import Tokenizer as BackendTokenizer
 
-from nanovllm.core.errors import ModelLoadError
+from nanovllm.core.errors import InvalidRequestError, ModelLoadError
 from nanovllm.engine.chat_template import (  # noqa: F401 (ChatTemplateError re-exported)
     ChatTemplate,
     ChatTemplateError,
@@ -117,7 +117,15 @@ class Tokenizer:
         """Token ids of `text`; BOS/EOS are added only where the model's config asks for them.
         `parse_special_tokens=False` encodes special-token text as ordinary text."""
         backend = self.backend if parse_special_tokens else self._plain_backend
-        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the Rust side takes only text that UTF-8 can hold
+            if isinstance(text, str) and any("\ud800" <= c <= "\udfff" for c in text):
+                raise InvalidRequestError(
+                    "the text holds a lone UTF-16 surrogate (U+D800-U+DFFF), which is not a "
+                    "character; send valid Unicode", "prompt"
+                ) from None
+            raise
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`, without transformers' space clean-up (which v5 skips for BPE too)."""

@@ -46,6 +46,8 @@ def test_bad_prompts_fail_before_any_work(llm):
         (list(range(3, 70)), "max_model_len"),
         ([5, 100000], "vocabulary"),
         ("", "empty"),
+        ("\ud800 hi", "surrogate"),
+        ([{"role": "user", "content": "\udfff"}], "surrogate"),
     ]:
         with pytest.raises(InvalidRequestError, match=words):
             llm.generate([good, bad], GREEDY, use_tqdm=False)
