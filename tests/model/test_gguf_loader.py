@@ -1,97 +1,92 @@
-"""GGUF loading for each family: a tiny HF model written out as GGUF (the way llama.cpp's
-converter lays it out) must generate exactly what transformers generates from the original."""
+"""GGUF loading: our tensor table is GGUFReader's, every weight type llama.cpp writes loads as
+the gguf package dequantizes it, and models written as llama.cpp's converter writes them
+generate what transformers generates from the same weights."""
 
+import itertools
 import json
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.model.loader.gguf_file import read_gguf
+from nanovllm.model.loader.gguf_file import GGUFFile, read_gguf
+from nanovllm.model.loader.gguf_loader import gguf_to_hf_config, iter_gguf
 from nanovllm.model.loader.source import default_model_path
+from tests.gguf_support import (
+    byte_level_tokenizer,
+    gguf_name,
+    model_tensors,
+    permute_rope,
+    write_gguf,
+)
 from tests.support import hf_greedy
 
-GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-LAYER = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+# llama.cpp's weight types; gguf.quants quantizes all but the K-quants (tests/gguf_support.py
+# writes random K-quant blocks instead)
+TYPES = [
+    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q4_1,
+    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+]
 
 
-def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    # what llama.cpp's converter does to Llama q/k weights (interleaves the RoPE halves)
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape)
+def file_offset(data: np.ndarray) -> int:
+    """Where a memory-mapped tensor's bytes start in its file (both readers map it whole)."""
+    root = data
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return data.ctypes.data - root.ctypes.data
 
 
-def write_gguf(model_dir, out_path, arch: str) -> None:
-    from transformers import AutoModelForCausalLM
+def assert_same_table(ours: GGUFFile, reader: gguf.GGUFReader) -> None:
+    assert [t.name for t in ours.tensors] == [t.name for t in reader.tensors]
+    for a, b in zip(ours.tensors, reader.tensors, strict=True):
+        assert a.qtype == b.tensor_type, a.name
+        assert a.shape == tuple(reversed(b.shape.tolist())), a.name  # GGUF lists dims inner first
+        assert (file_offset(a.data), a.data.nbytes) == (b.data_offset, b.n_bytes), a.name
+        assert (a.data.dtype, a.data.shape) == (b.data.dtype, b.data.shape), a.name
+        assert np.array_equal(a.data, b.data), a.name
 
-    cfg = json.loads((model_dir / "config.json").read_text())
-    tok = json.loads((model_dir / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    for added in tok["added_tokens"]:
-        vocab[added["content"]] = added["id"]
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    tokens += [f"<unused{i}>" for i in range(cfg["vocab_size"] - len(tokens))]
-    w = gguf.GGUFWriter(str(out_path), GGUF_ARCH[arch])
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    w.add_value_length(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    rope = cfg.get("rope_parameters") or {}
-    w.add_rope_freq_base(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_eos_token_id(vocab["<|im_end|>"])
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for name, t in model.state_dict().items():
-        a = t.numpy().astype(np.float32)
-        if name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        elif name == "lm_head.weight":
-            if cfg.get("tie_word_embeddings"):
-                continue
-            gname = "output.weight"
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            module, suffix = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{LAYER[module]}.{suffix}"
-            if arch == "llama" and module == "self_attn.q_proj":
-                a = _permute(a, heads)
-            elif arch == "llama" and module == "self_attn.k_proj":
-                a = _permute(a, kv_heads)
-        w.add_tensor(gname, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+
+def test_tensor_table_matches_gguf_reader():
+    """Every one of the default model's 272 tensors: the name, type, shape, file offset, size
+    and bytes GGUFReader reads; its first three (Q8_0, F32, Q4_1: one of each type in the
+    file) load as gguf.quants.dequantize gives them."""
+    path = default_model_path()
+    ours = read_gguf(path)
+    reader = gguf.GGUFReader(str(path))
+    assert len(ours.tensors) == 272
+    assert_same_table(ours, reader)
+    first = list(itertools.islice(iter_gguf(ours, gguf_to_hf_config(ours)), 3))
+    assert [name for name, _ in first] == [
+        "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
+        "model.layers.0.mlp.down_proj.weight",
+    ]
+    for (_, w), t in zip(first, reader.tensors):
+        assert np.array_equal(w.numpy(), dequantize(t.data, t.tensor_type)), t.name
+
+
+def write_model_gguf(path, cfg: dict, state_dict: dict, tokenizer_json: str, qtypes=Q.F32) -> str:
+    return write_gguf(
+        path, cfg["model_type"], tokenizer_json=tokenizer_json, vocab_size=cfg["vocab_size"],
+        pre="gpt2", special={"eos": "<|im_end|>"}, config=cfg,
+        tensors=model_tensors(state_dict, cfg, qtypes),
+    )
 
 
 def test_gguf_matches_transformers(tiny_model, tmp_path):
+    """Each family (Llama's permuted q/k, Qwen2's biases and tied embeddings, Qwen3's q/k norms)
+    written to F32 GGUF generates exactly what transformers generates from the original."""
     from transformers import AutoModelForCausalLM
 
-    arch = json.loads((tiny_model / "config.json").read_text())["model_type"]
-    path = tmp_path / f"tiny-{arch}.gguf"
-    write_gguf(tiny_model, path, arch)
+    cfg = json.loads((tiny_model / "config.json").read_text())
     hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    llm = LLM(str(path), device="cpu", block_size=4)
+    path = write_model_gguf(tmp_path / "tiny.gguf", cfg, hf.state_dict(),
+                            (tiny_model / "tokenizer.json").read_text())
+    llm = LLM(path, device="cpu", block_size=4, num_kv_blocks=16)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 200, 100]]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                         use_tqdm=False)
@@ -100,14 +95,78 @@ def test_gguf_matches_transformers(tiny_model, tmp_path):
     assert llm.engine.eos_token_ids == {2}
 
 
-def test_tensor_table_matches_gguf_reader():
-    path = default_model_path()
-    ours = read_gguf(path)
-    ref = gguf.GGUFReader(str(path))
-    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
-    for a, b in zip(ours.tensors[:12], ref.tensors[:12]):
-        assert a.qtype == b.tensor_type
-        assert np.array_equal(np.asarray(a.data), np.asarray(b.data))
+@pytest.fixture(scope="module")
+def wide_llama() -> tuple[dict, dict]:
+    """(config, state dict) of a random 2-layer Llama with rows 256 or 512 wide: K-quants pack
+    256 weights a block."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn_like(p)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
+    return config.to_dict(), model.state_dict()
+
+
+def write_wide_llama(path, wide_llama, qtypes) -> str:
+    cfg, state_dict = wide_llama
+    return write_model_gguf(path, cfg, state_dict, byte_level_tokenizer(), qtypes)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_each_type_loads_as_gguf_dequantizes(wide_llama, tmp_path, qtype):
+    """A file whose matrices are all `qtype`: its table is GGUFReader's, and our loader yields
+    every tensor of the checkpoint, under its Hugging Face name, in its shape, equal to
+    GGUFReader + gguf.quants.dequantize (exactly: both are that float32 arithmetic, ours
+    only reshapes and un-permutes)."""
+    cfg, state_dict = wide_llama
+    path = write_wide_llama(tmp_path / f"{qtype.name}.gguf", wide_llama, qtype)
+    file, reader = read_gguf(path), gguf.GGUFReader(path)
+    assert_same_table(file, reader)
+    assert {t.qtype for t in file.tensors} == {Q.F32, qtype}
+    ours = dict(iter_gguf(file, gguf_to_hf_config(file)))
+    assert sorted(ours) == sorted(state_dict)
+    expected = {t.name: dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    for name, w in ours.items():
+        assert w.dtype == torch.float32 and w.shape == state_dict[name].shape, name
+        got = w.numpy()
+        if name.endswith("q_proj.weight"):  # back into the file's order, as the converter did
+            got = permute_rope(got, cfg["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            got = permute_rope(got, cfg["num_key_value_heads"])
+        assert np.array_equal(got, expected[gguf_name(name)]), name
+
+
+def test_mixed_types_match_transformers(wide_llama, tmp_path):
+    """A file whose matrices take every type in turn (as llama.cpp's mixed presets mix them)
+    generates what transformers generates from the same file, with the same top logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_wide_llama(tmp_path / "mixed.gguf", wide_llama, TYPES)
+    assert {t.qtype for t in read_gguf(path).tensors} == set(TYPES)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="mixed.gguf",
+                                              dtype=torch.float32).eval()
+    llm = LLM(path, device="cpu", block_size=4, num_kv_blocks=16)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 200, 100]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        ids = list(prompt)
+        for token, logprobs in zip(out.token_ids, out.outputs[0].logprobs, strict=True):
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1], -1)
+            top = torch.topk(ref, 3)
+            assert token == int(top.indices[0])
+            # same float32 weights; only the order of sums differs (~1e-5 here)
+            for t, lp in zip(top.indices.tolist(), top.values.tolist()):
+                assert logprobs[t] == pytest.approx(lp, abs=1e-3)
+            ids.append(token)
 
 
 def test_corrupt_gguf_is_a_clear_error(tmp_path):
