@@ -161,17 +161,21 @@ def write_gguf(
     chat_template: str | None = None,
     config: dict | None = None,
     tensors: Iterable[tuple[str, np.ndarray, Q]] = (),
+    alignment: int | None = None,
 ) -> str:
     """Write a GGUF file; returns its path.
 
     The vocabulary is `tokenizer_json`'s (a tokenizers BPE), padded to `vocab_size`;
     `special` names the token of each special id (`{"eos": "<|im_end|>"}`: bos, eos, eot...).
     `config` is a Hugging Face config (None: placeholders). `tensors` are (GGUF name, data as
-    `encode` returns it, type), e.g. from `model_tensors`.
+    `encode` returns it, type), e.g. from `model_tensors`. `alignment` (a power of two) sets
+    general.alignment: where tensor data starts, 32 bytes without it.
     """
     tokens, merges, control = bpe_vocab(tokenizer_json, vocab_size)
     ids = {t: i for i, t in enumerate(tokens)}
     w = gguf.GGUFWriter(str(path), arch)
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
     _add_hyperparameters(w, config)
     w.add_tokenizer_model(tokenizer_model)
     if pre is not None:

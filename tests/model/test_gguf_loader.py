@@ -69,11 +69,13 @@ def test_tensor_table_matches_gguf_reader():
         assert np.array_equal(w.numpy(), dequantize(t.data, t.tensor_type)), t.name
 
 
-def write_model_gguf(path, cfg: dict, state_dict: dict, tokenizer_json: str, qtypes=Q.F32) -> str:
+def write_model_gguf(
+    path, cfg: dict, state_dict: dict, tokenizer_json: str, qtypes=Q.F32, alignment=None
+) -> str:
     return write_gguf(
         path, cfg["model_type"], tokenizer_json=tokenizer_json, vocab_size=cfg["vocab_size"],
         pre="gpt2", special={"eos": "<|im_end|>"}, config=cfg,
-        tensors=model_tensors(state_dict, cfg, qtypes),
+        tensors=model_tensors(state_dict, cfg, qtypes), alignment=alignment,
     )
 
 
@@ -115,9 +117,9 @@ def wide_llama() -> tuple[dict, dict]:
     return config.to_dict(), model.state_dict()
 
 
-def write_wide_llama(path, wide_llama, qtypes) -> str:
+def write_wide_llama(path, wide_llama, qtypes, alignment=None) -> str:
     cfg, state_dict = wide_llama
-    return write_model_gguf(path, cfg, state_dict, byte_level_tokenizer(), qtypes)
+    return write_model_gguf(path, cfg, state_dict, byte_level_tokenizer(), qtypes, alignment)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
@@ -145,12 +147,15 @@ def test_each_type_loads_as_gguf_dequantizes(wide_llama, tmp_path, qtype):
 
 
 def test_mixed_types_match_transformers(wide_llama, tmp_path):
-    """A file whose matrices take every type in turn (as llama.cpp's mixed presets mix them)
-    generates what transformers generates from the same file, with the same top logprobs."""
+    """A file whose matrices take every type in turn (as llama.cpp's mixed presets mix them),
+    its data aligned to 256 bytes, not 32: its table is GGUFReader's, and it generates what
+    transformers generates from the same file, with the same top logprobs."""
     from transformers import AutoModelForCausalLM
 
-    path = write_wide_llama(tmp_path / "mixed.gguf", wide_llama, TYPES)
-    assert {t.qtype for t in read_gguf(path).tensors} == set(TYPES)
+    path = write_wide_llama(tmp_path / "mixed.gguf", wide_llama, TYPES, alignment=256)
+    file = read_gguf(path)
+    assert {t.qtype for t in file.tensors} == set(TYPES)
+    assert_same_table(file, gguf.GGUFReader(path))
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="mixed.gguf",
                                               dtype=torch.float32).eval()
     llm = LLM(path, device="cpu", block_size=4, num_kv_blocks=16)
@@ -169,10 +174,17 @@ def test_mixed_types_match_transformers(wide_llama, tmp_path):
             ids.append(token)
 
 
-def test_corrupt_gguf_is_a_clear_error(tmp_path):
+def test_corrupt_gguf_is_a_clear_error(tmp_path, wide_llama):
+    """A broken header, or a file cut inside its tensor data (an interrupted download), is a
+    ModelLoadError that says so, not numpy's reshape error."""
     from nanovllm import ModelLoadError
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 10)
     with pytest.raises(ModelLoadError, match="cannot read GGUF"):
         LLM(str(bad))
+    cut = tmp_path / "cut.gguf"
+    whole = open(write_wide_llama(tmp_path / "whole.gguf", wide_llama, Q.Q8_0), "rb").read()
+    cut.write_bytes(whole[:-1000])
+    with pytest.raises(ModelLoadError, match="ends inside tensor 'output.weight': it is truncated"):
+        LLM(str(cut))

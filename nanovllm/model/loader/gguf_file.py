@@ -105,6 +105,11 @@ def _parse(path: str | os.PathLike[str], with_tensors: bool) -> GGUFFile:
         block, type_size = GGML_QUANT_SIZES[qtype]
         n_bytes = int(np.prod(dims)) // block * type_size
         chunk = raw[data_start + offset : data_start + offset + n_bytes]
+        if chunk.size < n_bytes:
+            raise ModelLoadError(
+                f"GGUF file {os.fspath(path)!r} ends inside tensor {name!r}: it is truncated "
+                "(an interrupted download?); fetch it again"
+            )
         if qtype == GGMLQuantizationType.F32:
             data = chunk.view(np.float32).reshape(shape)
         elif qtype == GGMLQuantizationType.F16:
