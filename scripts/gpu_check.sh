@@ -17,12 +17,10 @@ if [ -z "$SKIP_OFFLINE" ]; then
     | tee "$OUT/offline.log" | tail -25
 fi
 if [ -z "$SKIP_TESTS" ]; then
-  # TESTS: pytest arguments (default: every GPU-marked test; tests that take a device
-  # fixture run on CUDA too when they are named here without -m gpu)
+  # TESTS: pytest arguments (default: every test marked gpu, CUDA parametrizations included)
   # shellcheck disable=SC2086
-  timeout "${TESTS_S:-300}" python3 -m pytest -q --maxfail=10 -p no:cacheprovider \
-    ${TESTS:--m gpu tests/engine/test_gpu_engine.py tests/model/test_sampler.py tests/model/test_triton_attention.py} \
-    2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout "${TESTS_S:-420}" python3 -m pytest -q --maxfail=10 -p no:cacheprovider \
+    ${TESTS:--m gpu tests/} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [ -z "$SKIP_ATTN" ]; then
   timeout "${ATTN_S:-90}" python3 -m benchmarks.attention 2>&1 | tee "$OUT/attention.log" | tail -20

@@ -1,11 +1,24 @@
 """Test harness shared by every test package: tiny random models in Hugging Face layout,
-transformers' reference decoding, and prompt generators."""
+transformers' reference model and decoding, prompt generators, greedy parameters, the
+chi-square check of sampled tokens, and the Triton availability rule."""
 
+import importlib
+import importlib.util
 import json
+import math
 import random
+import sys
 from pathlib import Path
+from types import ModuleType
 
+import pytest
 import torch
+
+from nanovllm.core.sampling_params import SamplingParams
+
+# pyproject.toml's test extra declares triton on Linux only: there a missing triton fails
+# the run (conftest.py); elsewhere the Triton tests skip
+TRITON_DECLARED = sys.platform == "linux"
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -94,6 +107,14 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def load_hf_model(path: Path, dtype: torch.dtype = torch.float32, **options):
+    """transformers' own model of a Hugging Face directory (or of `gguf_file=` in it), in
+    eval mode: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **options).eval()
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Reference greedy decoding: a full forward pass per token, no cache, no shortcuts."""
     ids = list(prompt_ids)
@@ -111,3 +132,42 @@ def make_prompts(seed: int, count: int, shared_prefix: int = 0) -> list[list[int
     return [
         prefix + [rng.randrange(3, 400) for _ in range(rng.randint(1, 40))] for _ in range(count)
     ]
+
+
+def greedy(max_tokens: int, **overrides) -> SamplingParams:
+    """Greedy decoding of exactly `max_tokens` tokens (EOS ignored), as references compare."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **overrides)
+
+
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_module(name: str) -> ModuleType:
+    """Import a Triton kernel module for a test module; where triton is not a declared
+    test dependency and is missing, skip the whole test module, saying why."""
+    if not has_triton():
+        pytest.skip("triton is not installed (the test extra declares it on Linux only)",
+                    allow_module_level=True)
+    return importlib.import_module(name)
+
+
+# well-separated probabilities (no ties, no filter boundary close to a cumulative sum)
+SMALL_LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.6, 0.3, 0.0, -0.5, -1.0])
+
+
+def assert_matches(tokens: torch.Tensor, probs: torch.Tensor) -> None:
+    """Sampled `tokens` follow `probs`: excluded tokens never appear; the rest pass a
+    chi-square test at alpha = 1e-4."""
+    counts = torch.bincount(tokens.cpu(), minlength=len(probs)).double()
+    assert counts[probs == 0].sum() == 0, f"excluded tokens sampled: {counts.tolist()}"
+    kept = probs > 0
+    expected = probs[kept] * len(tokens)
+    stat = ((counts[kept] - expected) ** 2 / expected).sum().item()
+    df = int(kept.sum()) - 1
+    if df == 0:
+        return
+    # Wilson-Hilferty approximation of the chi-square quantile, z = 3.719 for 1e-4
+    a = 2 / (9 * df)
+    critical = df * (1 - a + 3.719 * math.sqrt(a)) ** 3
+    assert stat < critical, f"chi2={stat:.1f} >= {critical:.1f}; counts={counts.tolist()}"

@@ -5,6 +5,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.model.loader.source import default_model_path
+from tests.support import load_hf_model
 
 pytestmark = pytest.mark.slow
 
@@ -25,10 +26,8 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from transformers import AutoModelForCausalLM
-
     path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+    return load_hf_model(path.parent, gguf_file=path.name)
 
 
 @pytest.fixture(scope="module")

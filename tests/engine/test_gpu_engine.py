@@ -1,5 +1,5 @@
 """The GPU path (Triton attention, CUDA graphs, overlap) against transformers and the CPU
-engine, on the tiny models. Skipped without a CUDA GPU."""
+engine, on the tiny models."""
 
 import gc
 
@@ -7,14 +7,11 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from tests.support import hf_greedy, make_prompts
+from tests.support import greedy, make_prompts
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.gpu
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+GREEDY = greedy(12)
 
 GPU_VARIANTS = {
     "graphs+overlap": dict(gpu_memory_utilization=0.2),  # KV sized by profiling
@@ -33,22 +30,15 @@ def _free_gpu():
     torch.cuda.empty_cache()
 
 
-@pytest.fixture(scope="module")
-def hf_model(tiny_model):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-
-
 @pytest.mark.parametrize("variant", sorted(GPU_VARIANTS))
-def test_gpu_greedy_matches_transformers_and_cpu(tiny_model, hf_model, variant):
+def test_gpu_greedy_matches_transformers_and_cpu(tiny_model, greedy_reference, variant):
     prompts = make_prompts(seed=5, count=12, shared_prefix=8)
     gpu = LLM(str(tiny_model), device="cuda", dtype="float32", max_model_len=256,
               **GPU_VARIANTS[variant])
     outs = [o.token_ids for o in gpu.generate(prompts, GREEDY, use_tqdm=False)]
     cpu = LLM(str(tiny_model), device="cpu", block_size=4)
     assert outs == [o.token_ids for o in cpu.generate(prompts, GREEDY, use_tqdm=False)]
-    assert outs == [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    assert outs == [greedy_reference(p, GREEDY.max_tokens) for p in prompts]
     bm = gpu.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -62,8 +52,7 @@ def test_gpu_bf16_sampling_and_seeds(tiny_model):
     a = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     b = [o.token_ids for o in llm.generate(prompts[::-1], sp, use_tqdm=False)][::-1]
     assert a == b  # seeded rows do not depend on batch order
-    pen = SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3,
-                         presence_penalty=0.5, ignore_eos=True)
+    pen = greedy(16, repetition_penalty=1.3, presence_penalty=0.5)
     assert all(len(o.token_ids) == 16 for o in llm.generate(prompts, pen, use_tqdm=False))
 
 
@@ -89,7 +78,7 @@ def test_gpu_streamed_deltas_add_up_to_the_offline_result(tiny_model):
     assert [ids[f"d{i}"] for i in range(len(prompts))] == [o.token_ids for o in offline]
 
 
-def test_engines_on_one_gpu_and_the_cpu_each_get_their_settings(tiny_model, hf_model):
+def test_engines_on_one_gpu_and_the_cpu_each_get_their_settings(tiny_model, greedy_reference):
     """Graphs + fused kernels, eager + torch ops, and the CPU, in one process at once."""
     fast = LLM(str(tiny_model), device="cuda", dtype="float32", max_model_len=256,
                kv_cache_gib=1)
@@ -101,6 +90,6 @@ def test_engines_on_one_gpu_and_the_cpu_each_get_their_settings(tiny_model, hf_m
     assert eager.engine.config.attention_backend == "triton"
     assert cpu.engine.config.kernels == cpu.engine.config.attention_backend == "torch"
     prompts = make_prompts(seed=13, count=6)
-    expected = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    expected = [greedy_reference(p, GREEDY.max_tokens) for p in prompts]
     for llm in (fast, eager, cpu, fast):
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected

@@ -2,21 +2,16 @@
 they asked for, and both agree with transformers. On the CPU the Triton kernels run in
 Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py)."""
 
-import importlib
-import os
-
 import pytest
-import torch
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM
 from nanovllm.core.errors import ConfigError
-from tests.support import hf_greedy, make_prompts
+from tests.support import greedy, hf_greedy, make_prompts, triton_module
 
-pytest.importorskip("triton")
-triton_ops = importlib.import_module("nanovllm.kernels.triton_ops")
-triton_attention = importlib.import_module("nanovllm.kernels.triton_attention")
+triton_ops = triton_module("nanovllm.kernels.triton_ops")
+triton_attention = triton_module("nanovllm.kernels.triton_attention")
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+GREEDY = greedy(5)
 ENGINE = dict(device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
 
 
@@ -33,11 +28,9 @@ def counting(monkeypatch, module, name: str) -> list[int]:
     return calls
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on a CPU needs its "
-                    "interpreter (conftest sets it without CUDA); test_gpu_engine covers CUDA")
-def test_two_engines_in_one_process_each_run_their_kernels(tiny_llama, monkeypatch):
-    from transformers import AutoModelForCausalLM
-
+def test_two_engines_in_one_process_each_run_their_kernels(tiny_llama, hf_tiny_llama,
+                                                           triton_interpreter, monkeypatch):
+    # on a CUDA machine test_gpu_engine runs engines with different kernels side by side
     fused = LLM(str(tiny_llama), fused_kernels=True, attention_backend="triton", **ENGINE)
     plain = LLM(str(tiny_llama), **ENGINE)  # built second: a global switch would win here
     assert (fused.engine.config.kernels, fused.engine.config.attention_backend) == (
@@ -59,8 +52,7 @@ def test_two_engines_in_one_process_each_run_their_kernels(tiny_llama, monkeypat
     again = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
     assert again == plain_out
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    expected = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+    expected = [hf_greedy(hf_tiny_llama, p, GREEDY.max_tokens) for p in prompts]
     assert plain_out == expected and fused_out == expected
 
 

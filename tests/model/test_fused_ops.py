@@ -1,30 +1,23 @@
 """Fused Triton norm / RoPE / SiLU kernels (kernels/triton_ops.py) against the torch
 functions they replace (kernels/torch_ops.py), and a model built with either.
 
-Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here and
-in conftest.py before triton loads) on small fp32 / fp16 shapes; tests marked gpu repeat
-the checks at Qwen3-0.6B..8B widths in bf16 / fp16. The kernels round to the activation
-dtype wherever torch does, so the tolerances are a couple of ulps of that dtype.
+The small tests run on small fp32 / fp16 shapes in Triton's CPU interpreter and, marked gpu,
+compiled on CUDA (the `triton_device` fixture); the other gpu tests repeat the checks at
+Qwen3-0.6B..8B widths in bf16 / fp16. The kernels round to the activation dtype wherever
+torch does, so the tolerances are a couple of ulps of that dtype.
 """
 
 import dataclasses
-import importlib
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-fused = importlib.import_module("nanovllm.kernels.triton_ops")
-ref = importlib.import_module("nanovllm.kernels.torch_ops")
-from nanovllm.kernels import select_kernels  # noqa: E402
-from nanovllm.model.layers.rotary import RotaryEmbedding  # noqa: E402
+from nanovllm.kernels import select_kernels
+from nanovllm.kernels import torch_ops as ref
+from nanovllm.model.layers.rotary import RotaryEmbedding
+from tests.support import triton_module
 
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+fused = triton_module("nanovllm.kernels.triton_ops")
 # (atol, rtol): fp32 differs only by summation order; half dtypes by a rounding or two
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -36,16 +29,16 @@ def close(out: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(out.cpu().float(), expected.cpu().float(), atol=atol, rtol=rtol)
 
 
-def randn(*shape, dtype=torch.float32, device=DEVICE, seed=0) -> torch.Tensor:
+def randn(*shape, device: str, dtype=torch.float32, seed=0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=gen).to(device, dtype)
 
 
-def norm_weight(n: int, dtype=torch.float32, device=DEVICE, seed=1) -> torch.Tensor:
+def norm_weight(n: int, device: str, dtype=torch.float32, seed=1) -> torch.Tensor:
     return (1.0 + 0.1 * randn(n, device="cpu", seed=seed)).to(device, dtype)
 
 
-def rope_tables(head_dim: int, max_position: int, device=DEVICE):
+def rope_tables(head_dim: int, max_position: int, device: str):
     rope = RotaryEmbedding(head_dim, max_position, 10000.0, None, select_kernels()).to(device)
     return rope.cos, rope.sin
 
@@ -60,7 +53,7 @@ def reference_qk(qkv, sizes, heads, positions, cos, sin, qw, kw, eps):
     return ref.apply_rotary(positions, q, k, cos, sin)
 
 
-def check_qk_norm_rope(tokens, hq, hkv, d, with_norm, dtype, device=DEVICE, max_pos=97):
+def check_qk_norm_rope(tokens, hq, hkv, d, with_norm, dtype, device, max_pos=97):
     q_size, kv_size = hq * d, hkv * d
     sizes = [q_size, kv_size, kv_size]
     qkv = randn(tokens, q_size + 2 * kv_size, dtype=dtype, device=device)
@@ -71,8 +64,8 @@ def check_qk_norm_rope(tokens, hq, hkv, d, with_norm, dtype, device=DEVICE, max_
         positions[1] = 0
     positions = positions.to(device)
     cos, sin = rope_tables(d, max_pos, device)
-    qw = norm_weight(d, dtype, device, seed=4) if with_norm else None
-    kw = norm_weight(d, dtype, device, seed=5) if with_norm else None
+    qw = norm_weight(d, device, dtype, seed=4) if with_norm else None
+    kw = norm_weight(d, device, dtype, seed=5) if with_norm else None
     eps = 1e-6
     expected_q, expected_k = reference_qk(
         qkv, sizes, (hq, hkv, d), positions, cos, sin, qw, kw, eps
@@ -90,20 +83,20 @@ def check_qk_norm_rope(tokens, hq, hkv, d, with_norm, dtype, device=DEVICE, max_
 
 
 # ---------------------------------------------------------------------------------------
-# interpreter-sized checks (compiled kernels when a GPU is present)
+# small checks: in the interpreter, and compiled on CUDA
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 48), (5, 100), (3, 64)])
-def test_rms_norm(rows, width, dtype):
-    x = randn(rows, width, dtype=dtype) * 3
-    w = norm_weight(width, dtype)
+def test_rms_norm(triton_device, rows, width, dtype):
+    x = randn(rows, width, device=triton_device, dtype=dtype) * 3
+    w = norm_weight(width, triton_device, dtype)
     close(fused.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
 
 
-def test_rms_norm_strided_3d_input():
-    x = randn(4, 3, 40)[:, :, 4:36]  # [T, H, D] view with gaps, as a q view would be
-    w = norm_weight(32)
+def test_rms_norm_strided_3d_input(triton_device):
+    x = randn(4, 3, 40, device=triton_device)[:, :, 4:36]  # [T, H, D] with gaps, like a q view
+    w = norm_weight(32, triton_device)
     out = fused.rms_norm(x, w, 1e-5)
     assert out.shape == x.shape and out.is_contiguous()
     close(out, ref.rms_norm(x, w, 1e-5))
@@ -111,10 +104,10 @@ def test_rms_norm_strided_3d_input():
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 48), (6, 100)])
-def test_add_rms_norm_updates_residual_in_place(rows, width, dtype):
-    x = randn(rows, width, dtype=dtype, seed=1)
-    residual = randn(rows, width, dtype=dtype, seed=2) * 2
-    w = norm_weight(width, dtype)
+def test_add_rms_norm_updates_residual_in_place(triton_device, rows, width, dtype):
+    x = randn(rows, width, device=triton_device, dtype=dtype, seed=1)
+    residual = randn(rows, width, device=triton_device, dtype=dtype, seed=2) * 2
+    w = norm_weight(width, triton_device, dtype)
     x_before, res_before = x.clone(), residual.clone()
     expected_out, expected_res = ref.add_rms_norm(x_before, res_before, w, 1e-6)
 
@@ -125,11 +118,12 @@ def test_add_rms_norm_updates_residual_in_place(rows, width, dtype):
     assert torch.equal(x, x_before), "x is only read"
 
 
-def test_add_rms_norm_strided_residual_gets_a_new_tensor():
-    x = randn(3, 40, seed=1)
-    residual = randn(40, 3, seed=2).t()  # not contiguous: cannot be written through a view
+def test_add_rms_norm_strided_residual_gets_a_new_tensor(triton_device):
+    x = randn(3, 40, device=triton_device, seed=1)
+    # not contiguous: cannot be written through a view
+    residual = randn(40, 3, device=triton_device, seed=2).t()
     res_before = residual.clone()
-    w = norm_weight(40)
+    w = norm_weight(40, triton_device)
     out, new_res = fused.add_rms_norm(x, residual, w, 1e-6)
     expected_out, expected_res = ref.add_rms_norm(x, res_before, w, 1e-6)
     assert new_res is not residual and torch.equal(residual, res_before)
@@ -142,19 +136,20 @@ def test_add_rms_norm_strided_residual_gets_a_new_tensor():
     "tokens,hq,hkv,d",
     [(1, 4, 2, 32), (7, 3, 1, 24), (5, 6, 2, 40)],  # last two: non-power-of-two heads / half
 )
-def test_qk_norm_rope(tokens, hq, hkv, d, with_norm):
-    check_qk_norm_rope(tokens, hq, hkv, d, with_norm, torch.float32)
+def test_qk_norm_rope(triton_device, tokens, hq, hkv, d, with_norm):
+    check_qk_norm_rope(tokens, hq, hkv, d, with_norm, torch.float32, triton_device)
 
 
 @pytest.mark.parametrize("with_norm", [True, False], ids=["qk_norm", "rope_only"])
-def test_qk_norm_rope_fp16(with_norm):
-    check_qk_norm_rope(6, 4, 2, 32, with_norm, torch.float16)
+def test_qk_norm_rope_fp16(triton_device, with_norm):
+    check_qk_norm_rope(6, 4, 2, 32, with_norm, torch.float16, triton_device)
 
 
-def test_qk_norm_rope_int32_positions_and_empty_batch():
-    cos, sin = rope_tables(16, 20)
-    q, k = randn(3, 2, 16, seed=1), randn(3, 1, 16, seed=2)
-    pos = torch.tensor([19, 0, 7], device=DEVICE)
+def test_qk_norm_rope_int32_positions_and_empty_batch(triton_device):
+    cos, sin = rope_tables(16, 20, triton_device)
+    q = randn(3, 2, 16, device=triton_device, seed=1)
+    k = randn(3, 1, 16, device=triton_device, seed=2)
+    pos = torch.tensor([19, 0, 7], device=triton_device)
     expected = ref.apply_rotary(pos, q, k, cos, sin)
     out = fused.qk_norm_rope(q.clone(), k.clone(), pos.to(torch.int32), cos, sin)
     close(out[0], expected[0])
@@ -165,8 +160,8 @@ def test_qk_norm_rope_int32_positions_and_empty_batch():
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 40), (4, 1500)])  # 1500: two column programs
-def test_silu_and_mul(rows, width, dtype):
-    x = randn(rows, 2 * width, dtype=dtype) * 3
+def test_silu_and_mul(triton_device, rows, width, dtype):
+    x = randn(rows, 2 * width, device=triton_device, dtype=dtype) * 3
     close(fused.silu_and_mul(x), ref.silu_and_mul(x))
 
 
@@ -183,7 +178,7 @@ def test_kernel_choice_is_a_value_not_a_switch():
         select_kernels("cuda", "torch")
 
 
-def tiny_qwen3(qk_norm: bool, kernels):
+def tiny_qwen3(qk_norm: bool, kernels, device: str):
     from nanovllm.model.config import ModelConfig
     from nanovllm.model.models.llama import LlamaForCausalLM
 
@@ -212,10 +207,10 @@ def tiny_qwen3(qk_norm: bool, kernels):
             p.copy_(
                 1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p)
             )
-    return model.to(DEVICE)
+    return model.to(device)
 
 
-def prefill_meta(lens: list[int], block_size: int):
+def prefill_meta(lens: list[int], block_size: int, device: str):
     from nanovllm.kernels.attention_metadata import AttentionMetadata
 
     blocks = [-(-n // block_size) for n in lens]
@@ -227,10 +222,10 @@ def prefill_meta(lens: list[int], block_size: int):
         first += nb
     starts = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=DEVICE),
-        query_start_loc=starts.to(DEVICE),
-        context_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-        block_tables=tables.to(DEVICE),
+        slot_mapping=torch.tensor(slots, device=device),
+        query_start_loc=starts.to(device),
+        context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
         max_query_len=max(lens),
         max_context_len=max(lens),
         query_lens_host=list(lens),
@@ -240,18 +235,19 @@ def prefill_meta(lens: list[int], block_size: int):
 
 
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
-def test_tiny_model_logits_same_with_fusion_on_and_off(qk_norm):
+def test_tiny_model_logits_same_with_fusion_on_and_off(triton_device, qk_norm):
+    device = triton_device
     lens, block_size = [5, 3], 4
-    meta, num_blocks = prefill_meta(lens, block_size)
+    meta, num_blocks = prefill_meta(lens, block_size, device)
     ids = torch.randint(0, 64, (sum(lens),), generator=torch.Generator().manual_seed(7))
-    ids = ids.to(DEVICE)
-    positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
+    ids = ids.to(device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
 
     def logits(model) -> torch.Tensor:
         for attn in model.attention_layers():  # a fresh cache per run
             shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, device=DEVICE)
-            attn.v_cache = torch.zeros(shape, device=DEVICE)
+            attn.k_cache = torch.zeros(shape, device=device)
+            attn.v_cache = torch.zeros(shape, device=device)
         with torch.inference_mode():
             return model.compute_logits(model(ids, positions, meta))
 
@@ -268,9 +264,9 @@ def test_tiny_model_logits_same_with_fusion_on_and_off(qk_norm):
     kernels = dataclasses.replace(
         select_kernels("triton", "torch"), **{name: counted(name) for name in calls}
     )
-    unfused = logits(tiny_qwen3(qk_norm, select_kernels("torch", "torch")))
+    unfused = logits(tiny_qwen3(qk_norm, select_kernels("torch", "torch"), device))
     assert not any(calls.values())
-    with_fusion = logits(tiny_qwen3(qk_norm, kernels))
+    with_fusion = logits(tiny_qwen3(qk_norm, kernels, device))
     # per layer: 2 norms (the first layer's first one without a residual), 1 q/k, 1 MLP
     layers = 2
     assert calls == {
@@ -290,14 +286,13 @@ GPU_DTYPES = [torch.bfloat16, torch.float16]
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("rows", [1, 37, 2048])
 @pytest.mark.parametrize("width", [1024, 2560, 4096, 5120, 8192])
 def test_gpu_norms(rows, width, dtype):
-    x = randn(rows, width, dtype=dtype, seed=1)
-    residual = randn(rows, width, dtype=dtype, seed=2)
-    w = norm_weight(width, dtype)
+    x = randn(rows, width, device="cuda", dtype=dtype, seed=1)
+    residual = randn(rows, width, device="cuda", dtype=dtype, seed=2)
+    w = norm_weight(width, "cuda", dtype)
     close(fused.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
     expected_out, expected_res = ref.add_rms_norm(x, residual.clone(), w, 1e-6)
     out, new_res = fused.add_rms_norm(x, residual, w, 1e-6)
@@ -306,20 +301,18 @@ def test_gpu_norms(rows, width, dtype):
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("with_norm", [True, False], ids=["qk_norm", "rope_only"])
 @pytest.mark.parametrize("tokens", [1, 64, 3000])
 @pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (32, 8, 128), (14, 2, 64), (40, 8, 80)])
 def test_gpu_qk_norm_rope(tokens, hq, hkv, d, with_norm, dtype):
-    check_qk_norm_rope(tokens, hq, hkv, d, with_norm, dtype, max_pos=40960)
+    check_qk_norm_rope(tokens, hq, hkv, d, with_norm, dtype, "cuda", max_pos=40960)
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("rows", [1, 37, 2048])
 @pytest.mark.parametrize("width", [3072, 4864, 12288])
 def test_gpu_silu_and_mul(rows, width, dtype):
-    x = randn(rows, 2 * width, dtype=dtype) * 3
+    x = randn(rows, 2 * width, device="cuda", dtype=dtype) * 3
     close(fused.silu_and_mul(x), ref.silu_and_mul(x))

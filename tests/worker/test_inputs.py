@@ -1,5 +1,6 @@
 """Step inputs written into the persistent buffers match a direct construction, including
-graph padding, placeholders, and a decode step after a prefill step in the same buffers."""
+graph padding, placeholders, and a decode step after a prefill step in the same buffers, on
+the CPU and (marked gpu) on CUDA."""
 
 import pytest
 import torch
@@ -47,9 +48,10 @@ def check(inputs, seqs, pad=0):
         assert table[: len(s.block_table)] == s.block_table
 
 
-def test_prefill_then_padded_decode_with_placeholders():
+def test_prefill_then_padded_decode_with_placeholders(device):
+    # on CUDA through the pinned host arrays used in turn
     buf = InputBuffers(max_tokens=32, max_rows=8, table_width=5, block_size=BS,
-                       device=torch.device("cpu"))
+                       device=torch.device(device))
     prefill = [seq(0, range(10, 19), 0, 9, 0), seq(1, range(30, 36), 2, 3, 1)]
     inputs = buf.prepare(ScheduledBatch(prefill))
     check(inputs, prefill)
