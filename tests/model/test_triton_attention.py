@@ -1,60 +1,74 @@
 """Triton paged attention against the torch reference (run in fp64).
 
-Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here and
-in conftest.py before triton loads) on small fp32 shapes with small tiles, so every path
-(several tiles, diagonal masks, KV splits, tiles spanning part of / several cache blocks)
-runs in CI. Tests marked gpu repeat the checks at real sizes, dtypes and block sizes.
+The small tests run in Triton's CPU interpreter and, marked gpu, compiled on CUDA (the
+`triton_device` fixture), on fp32 shapes with small tiles, so every path (several tiles,
+diagonal masks, KV splits, tiles spanning part of / several cache blocks) runs in CI. The
+other tests marked gpu repeat the checks at real sizes, dtypes and block sizes.
+
+Every cache slot a row must not read (past its context in its last block, every block it
+does not own) holds NaN: a kernel that reads one key too many gives NaN, not a small error
+that a half-precision tolerance could absorb. One key too few is a relative error of about
+1 / context, far above fp32's tolerance: the long contexts run in fp32 at every block size.
 """
 
-import importlib
-import os
 import zlib
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-tb = importlib.import_module("nanovllm.kernels.triton_attention")
-ref = importlib.import_module("nanovllm.kernels.torch_attention")
-AttentionMetadata = importlib.import_module("nanovllm.kernels.attention_metadata").AttentionMetadata
+from nanovllm.kernels import torch_attention as ref
+from nanovllm.kernels.attention_metadata import AttentionMetadata
+from tests.support import triton_module
 
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA else "cpu"  # the small tests run compiled on a GPU machine
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+tb = triton_module("nanovllm.kernels.triton_attention")
+
+# relative L2 error per token: fp32 differs from fp64 by summation order only; half dtypes
+# by the rounding of q, k, v and of the probabilities before the second dot
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 SMALL = tb.TileConfig(block_m=16, block_n=16)  # interpreter tiles: many tiles per row
 
 
+def poison_unread(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                  context_lens: list[int]) -> None:
+    """NaN into every slot no row may read: each row reads its first context_len positions
+    through its block table, nothing else."""
+    num_blocks, block_size = k_cache.shape[:2]
+    pos = torch.arange(tables.shape[1] * block_size)
+    slots = tables.cpu().long()[:, pos // block_size] * block_size + pos % block_size
+    read = pos[None, :] < torch.tensor(context_lens)[:, None]
+    unread = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    unread[slots[read]] = False
+    unread = unread.view(num_blocks, block_size).to(k_cache.device)
+    k_cache[unread] = float("nan")
+    v_cache[unread] = float("nan")
+
+
 class Case:
-    """A batch of rows (query_len, context_len) over a randomly filled, shuffled paged cache.
+    """A batch of rows (query_len, context_len) over a randomly filled, shuffled paged cache,
+    every slot outside the rows' contexts NaN (`poison_unread`); block table entries past a
+    row's blocks point to blocks no row owns."""
 
-    Block table entries past a row's context point to a block of NaNs, so any read past
-    the context that reaches the output shows up as NaN.
-    """
-
-    def __init__(self, rows, num_q_heads, num_kv_heads, head_dim, block_size,
-                 dtype=torch.float32, device=DEVICE, seed=0, extra_cols=2):
+    def __init__(self, rows, num_q_heads, num_kv_heads, head_dim, block_size, device,
+                 dtype=torch.float32, seed=0, extra_cols=2):
         gen = torch.Generator().manual_seed(seed)
         self.rows, self.dtype, self.device = rows, dtype, device
         qlens = [n for n, _ in rows]
         clens = [c for _, c in rows]
         needed = [-(-c // block_size) for c in clens]
-        num_blocks = sum(needed) + 4
-        self.poison = poison = num_blocks - 1
+        num_owned = sum(needed)
+        num_blocks = num_owned + 4
+        perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+        owned, spare = perm[:num_owned], perm[num_owned:]
         width = max(max(needed), 1) + extra_cols
-        perm = torch.randperm(num_blocks - 1, generator=gen)
-        tables = torch.full((len(rows), width), poison, dtype=torch.int32)
+        tables = spare[torch.arange(len(rows) * width) % len(spare)].view(len(rows), width)
         used = 0
         for i, n in enumerate(needed):
-            tables[i, :n] = perm[used : used + n].to(torch.int32)
+            tables[i, :n] = owned[used : used + n]
             used += n
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = torch.randn(shape, generator=gen).to(dtype)
         self.v_cache = torch.randn(shape, generator=gen).to(dtype)
-        self.k_cache[poison] = float("nan")
-        self.v_cache[poison] = float("nan")
+        poison_unread(self.k_cache, self.v_cache, tables, clens)
         self.q = torch.randn(sum(qlens), num_q_heads, head_dim, generator=gen).to(dtype)
         starts = [0]
         for n in qlens:
@@ -82,14 +96,18 @@ class Case:
         return self
 
     def reference(self) -> torch.Tensor:
-        """The torch backend in fp64, on the case's device (fp64 on an H200 is quick)."""
-        q, kc, vc = (t.double() for t in (self.q, self.k_cache, self.v_cache))
-        kc[self.poison] = 0  # the reference's batched decode reads (and masks) past contexts
-        vc[self.poison] = 0
-        return ref.paged_attention(q, kc, vc, self.meta, self.scale).cpu()
+        return reference(self.q, self.k_cache, self.v_cache, self.meta, self.scale)
 
     def triton(self, **kw) -> torch.Tensor:
         return tb.paged_attention(self.q, self.k_cache, self.v_cache, self.meta, self.scale, **kw)
+
+
+def reference(q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    """The torch backend in fp64 on the inputs' device (quick on an H200), the poison
+    zeroed: its batched decode reads whole blocks and masks by context length, and a masked
+    NaN value would still give 0 * NaN."""
+    q, kc, vc = (torch.nan_to_num(t.double(), nan=0.0) for t in (q, k_cache, v_cache))
+    return ref.paged_attention(q, kc, vc, meta, scale).cpu()
 
 
 def check_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = ""):
@@ -125,35 +143,46 @@ CPU_CASES = [
 @pytest.mark.parametrize(
     "rows,hq,hkv,d,bs,cfg,splits", [c[1:] for c in CPU_CASES], ids=[c[0] for c in CPU_CASES]
 )
-def test_matches_reference(rows, hq, hkv, d, bs, cfg, splits):
-    case = Case(rows, hq, hkv, d, bs)
+def test_matches_reference(triton_device, rows, hq, hkv, d, bs, cfg, splits):
+    case = Case(rows, hq, hkv, d, bs, triton_device)
     out = case.triton(prefill_config=cfg, num_splits=splits)
     check_close(out, case.reference(), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision(dtype):
-    if dtype == torch.bfloat16 and not HAS_CUDA:
+def test_half_precision(triton_device, dtype):
+    if dtype == torch.bfloat16 and triton_device == "cpu":
         pytest.skip("Triton's CPU interpreter multiplies bf16 dot operands as raw bits")
-    case = Case([(1, 300), (24, 60), (1, 5), (9, 9)], 4, 2, 64, 16, dtype)
+    case = Case([(1, 300), (24, 60), (1, 5), (9, 9)], 4, 2, 64, 16, triton_device, dtype)
     check_close(case.triton(prefill_config=SMALL), case.reference(), dtype)
 
 
-def test_decode_split_counts_agree():
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_long_contexts_in_fp32(triton_device, block_size):
+    """4k-token contexts at every block size the small cases use: decode rows whose context
+    ends inside a block and at a block's end (the next key then lies in the next table
+    entry), a prefill chunk after a long cached prefix. One key too few is a relative error
+    of about 1 / 4000 here: fp32's tolerance sees it, a half-precision one would not."""
+    case = Case([(1, 4100), (1, 4096), (5, 3001)], 2, 1, 32, block_size, triton_device)
+    out = case.triton(prefill_config=tb.TileConfig(16, 64))  # KV tiles of 1 to 4 blocks
+    check_close(out, case.reference(), torch.float32)
+
+
+def test_decode_split_counts_agree(triton_device):
     # any split count is correct for any context: 1 (direct write), a few, and more splits
     # than the short rows have tiles (empty splits), as when a CUDA graph was captured for
     # a larger max_context_len
-    case = Case([(1, 150), (1, 20), (1, 64)], 4, 2, 64, 16)
+    case = Case([(1, 150), (1, 20), (1, 64)], 4, 2, 64, 16, triton_device)
     expected = case.reference()
     for splits in (1, 3, 16):
         check_close(case.triton(num_splits=splits), expected, torch.float32, f"{splits} splits")
 
 
-def test_strided_q_from_fused_qkv():
+def test_strided_q_from_fused_qkv(triton_device):
     hq, hkv, d = 4, 2, 64
-    case = Case([(9, 25), (1, 30), (12, 12)], hq, hkv, d, 16)
+    case = Case([(9, 25), (1, 30), (12, 12)], hq, hkv, d, 16, triton_device)
     t = case.q.shape[0]
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEVICE)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=triton_device)
     q = qkv[:, : hq * d].view(t, hq, d)
     q.copy_(case.q)
     assert not q.is_contiguous()
@@ -162,21 +191,21 @@ def test_strided_q_from_fused_qkv():
     check_close(out, case.reference(), torch.float32)
 
 
-def test_zero_length_query_row():
-    case = Case([(0, 10), (12, 12), (0, 0), (1, 20)], 4, 2, 64, 16)
+def test_zero_length_query_row(triton_device):
+    case = Case([(0, 10), (12, 12), (0, 0), (1, 20)], 4, 2, 64, 16, triton_device)
     check_close(case.triton(prefill_config=SMALL), case.reference(), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_store_kv_exact(dtype):
+def test_store_kv_exact(triton_device, dtype):
     t, hkv, d, bs, nb = 11, 2, 64, 16, 5
-    qkv = torch.randn(t, (4 + 2 * hkv) * d).to(DEVICE, dtype)  # k/v: strided views of qkv
+    qkv = torch.randn(t, (4 + 2 * hkv) * d).to(triton_device, dtype)  # k/v: views of qkv
     k = qkv[:, 4 * d : (4 + hkv) * d].view(t, hkv, d)
     v = qkv[:, (4 + hkv) * d :].view(t, hkv, d)
     slots = torch.randperm(nb * bs)[:t]
     slots[[2, 5, 10]] = -1
-    slots = slots.to(DEVICE)
-    ours = [torch.randn(nb, bs, hkv, d).to(DEVICE, dtype) for _ in range(2)]
+    slots = slots.to(triton_device)
+    ours = [torch.randn(nb, bs, hkv, d).to(triton_device, dtype) for _ in range(2)]
     theirs = [c.clone() for c in ours]
     tb.store_kv(k, v, *ours, slots)
     ref.store_kv(k, v, *theirs, slots)
@@ -184,12 +213,12 @@ def test_store_kv_exact(dtype):
 
 
 @pytest.mark.parametrize("splits", [1, 4])
-def test_padded_decode_rows(splits):
+def test_padded_decode_rows(triton_device, splits):
     """A CUDA-graph-style decode batch: real rows, then padding rows with context 0, a
     dummy block table and slot -1. Real rows must match the unpadded batch bit for bit,
     padding rows give finite output in their own rows only, and the cache is untouched."""
     hq, hkv, d, bs = 4, 2, 64, 16
-    real = Case([(1, 70), (1, 33), (1, 5)], hq, hkv, d, bs)
+    real = Case([(1, 70), (1, 33), (1, 5)], hq, hkv, d, bs, triton_device)
     alone = real.triton(num_splits=splits)
 
     pad = 3
@@ -214,7 +243,7 @@ def test_padded_decode_rows(splits):
     written = torch.zeros(k_cache.shape[0] * bs, dtype=torch.bool, device=dev)
     written[7:10] = True
     flat_k, flat_kb = k_cache.view(-1, hkv, d), k_before.view(-1, hkv, d)
-    bitwise = dict(rtol=0, atol=0, equal_nan=True)  # the cache's poison block is NaN
+    bitwise = dict(rtol=0, atol=0, equal_nan=True)  # the poisoned slots are NaN
     torch.testing.assert_close(flat_k[~written], flat_kb[~written], **bitwise)
     torch.testing.assert_close(v_cache.view(-1, hkv, d)[~written],
                                v_before.view(-1, hkv, d)[~written], **bitwise)
@@ -262,19 +291,21 @@ def _gpu_rows(kind: str, gen: torch.Generator) -> list[tuple[int, int]]:
 GPU_KINDS = ["prefill", "prefix", "decode", "decode-small-batch", "mixed"]
 # (Hq, Hkv, head_dim): Qwen3-0.6B, GQA 8, MHA d64, GQA 4 d64, GQA 8 non-power-of-2 d96
 GPU_HEADS = [(16, 8, 128), (32, 4, 128), (8, 8, 64), (16, 4, 64), (24, 3, 96)]
+GPU_BLOCK_SIZES = (16, 32, 64, 128, 256)
 # every head shape at the smallest and largest block in bf16, every block size for Qwen3's
-# shape, fp16 and fp32 on fewer (each combination is a fresh compile: the file should stay
+# shape in bf16 and in fp32 (a key too few at 4k+ contexts hides in bf16's tolerance, not
+# in fp32's), fp16 on fewer (each combination is a fresh compile: the file should stay
 # within a few minutes on one GPU)
 GPU_CONFIGS = (
     [(torch.bfloat16, h, bs) for h in GPU_HEADS for bs in (16, 256)]
-    + [(torch.bfloat16, GPU_HEADS[0], bs) for bs in (32, 64, 128)]
+    + [(torch.bfloat16, GPU_HEADS[0], bs) for bs in GPU_BLOCK_SIZES[1:-1]]
     + [(torch.float16, h, 16) for h in GPU_HEADS[:3]] + [(torch.float16, GPU_HEADS[0], 256)]
-    + [(torch.float32, GPU_HEADS[0], 16), (torch.float32, GPU_HEADS[3], 64)]
+    + [(torch.float32, GPU_HEADS[0], bs) for bs in GPU_BLOCK_SIZES]
+    + [(torch.float32, GPU_HEADS[3], 64)]
 )
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("kind", GPU_KINDS)
 @pytest.mark.parametrize(
     "dtype,heads,block_size", GPU_CONFIGS,
@@ -283,12 +314,11 @@ GPU_CONFIGS = (
 def test_gpu_matches_reference(dtype, kind, heads, block_size):
     hq, hkv, d = heads
     gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, heads, block_size)).encode()))
-    case = Case(_gpu_rows(kind, gen), hq, hkv, d, block_size, dtype, "cuda")
+    case = Case(_gpu_rows(kind, gen), hq, hkv, d, block_size, "cuda", dtype)
     check_close(case.triton(), case.reference(), dtype, f"{kind} {heads} bs{block_size}")
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_store_kv_exact():
     t, hkv, d, bs = 300, 8, 128, 16
     k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -303,11 +333,11 @@ def test_gpu_store_kv_exact():
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("graph_rows,max_context", [(8, 4096), (128, 2048)])
 def test_gpu_decode_cuda_graph_replay(graph_rows, max_context):
     """Capture store_kv + decode attention once for a padded batch, then replay with new
-    contexts, block tables and slots copied into the static inputs."""
+    contexts, block tables and slots copied into the static inputs; every slot past the
+    new contexts NaN."""
     hq, hkv, d, bs = 16, 8, 128, 16
     dtype, dev = torch.bfloat16, "cuda"
     width = max_context // bs
@@ -357,13 +387,15 @@ def test_gpu_decode_cuda_graph_replay(graph_rows, max_context):
         static["q"].normal_()
         static["k"].normal_()
         static["v"].normal_()
+        k_cache.normal_()
+        v_cache.normal_()
+        poison_unread(k_cache, v_cache, tables[:real], lens.tolist())
         graph.replay()
         torch.cuda.synchronize()
         case_meta = AttentionMetadata(
             static["slots"][:real], static["qsl"][: real + 1], static["ctx"][:real],
             static["tables"][:real], 1, int(lens.max()), [1] * real, lens.tolist(),
         )
-        expected = ref.paged_attention(static["q"][:real].double(), k_cache.double(),
-                                       v_cache.double(), case_meta, scale).cpu()
+        expected = reference(static["q"][:real], k_cache, v_cache, case_meta, scale)
         check_close(static_out[:real], expected, dtype, f"graph replay with {real} rows")
         assert torch.isfinite(static_out[real:].float()).all()
