@@ -97,14 +97,16 @@ def kl(reference: torch.Tensor, ours: torch.Tensor) -> torch.Tensor:
 
 # Bounds in units of the dtype's eps squared (eps = 2**-7 in bf16, 2**-10 in fp16): logits
 # that carry relative rounding errors of size ~eps give a KL divergence ~eps**2, so one
-# multiple fits both dtypes. Measured on the CPU, every tiny model: transformers' own run in
-# the dtype is 4-5 eps^2 from float32 on average (at worst 20 at one step), ours about the
-# same; ours against transformers in the same dtype (the same rounding points, another
-# summation order) about 1 eps^2 on average, and about 4 with RMSNorm's float32 upcast left
-# out (a bug that only bites in half precision).
+# multiple fits both dtypes. Measured on every tiny model: transformers' own run in the dtype
+# is 3-5 eps^2 from float32 on average (at worst 20 at one step), ours the same on the CPU
+# and on CUDA. Against transformers in the same dtype: on the CPU (the same torch ops, so
+# the same rounding points in another summation order) ours is 0.7-0.9 eps^2 on average,
+# and 3.6-5.2 with RMSNorm's float32 upcast left out (a bug that only bites in half
+# precision); on CUDA the Triton kernels round at other points (the fused norm and RoPE
+# round once, attention rounds its probabilities), 1.6-2.2 eps^2.
 MEAN_KL_TO_FLOAT32 = 10
 MAX_KL_TO_FLOAT32 = 50
-MEAN_KL_TO_SAME_DTYPE = 2
+MEAN_KL_TO_SAME_DTYPE = {"cpu": 2, "cuda": 4}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -132,7 +134,7 @@ def test_half_precision_next_tokens_match_transformers(tiny_model, hf_tiny_model
              f"{to_float32.max() / eps2:.2f}; to {dtype}: mean {to_same_dtype.mean() / eps2:.2f}")
     assert to_float32.mean() < MEAN_KL_TO_FLOAT32 * eps2, stats
     assert to_float32.max() < MAX_KL_TO_FLOAT32 * eps2, stats
-    assert to_same_dtype.mean() < MEAN_KL_TO_SAME_DTYPE * eps2, stats
+    assert to_same_dtype.mean() < MEAN_KL_TO_SAME_DTYPE[device] * eps2, stats
 
 
 @pytest.mark.parametrize("scaling", [
