@@ -2,6 +2,7 @@
 helpers to read its errors, metrics, streams and logs. Fixtures are in conftest.py."""
 
 import ctypes
+import functools
 import os
 import re
 import signal
@@ -301,3 +302,22 @@ def tokenize(srv: ServerProcess, model: str, prompt: str) -> list[int]:
     body = resp.json()
     assert body["count"] == len(body["tokens"]), body
     return body["tokens"]
+
+
+def post(srv: ServerProcess, path: str, body: dict) -> dict:
+    """POST `body` to `path`; the JSON answer, which must be a 200 (fields beyond OpenAI's,
+    such as stop_reason, as the server wrote them)."""
+    resp = httpx.post(srv.url + path, json=body, headers=srv.auth, timeout=120)
+    assert resp.status_code == 200, f"HTTP {resp.status_code}: {resp.text[:500]}"
+    return resp.json()
+
+
+@functools.cache
+def offline_llm():
+    """The default model as `LLM` in this test process, with the session server's settings
+    (CPU, max_model_len, max_num_seqs): what a request over HTTP must equal offline. Loaded
+    once per process; a small KV cache, as these references are a few short prompts."""
+    from nanovllm import LLM
+
+    return LLM(device="cpu", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+               num_kv_blocks=128)
