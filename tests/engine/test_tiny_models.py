@@ -10,13 +10,17 @@ from tests.support import build_tiny_model, greedy, hf_greedy, load_hf_model, ma
 
 MAX_TOKENS = 10
 GREEDY = greedy(MAX_TOKENS)
+# a cache of a few hundred blocks: the CPU default (2 GiB) takes seconds to allocate, and
+# only the "default" variant is about defaults
+CACHE = dict(num_kv_blocks=512)
 
 VARIANTS = {
     "default": dict(),
-    "chunked": dict(max_num_batched_tokens=8, max_num_seqs=4, block_size=4),
+    "chunked": dict(max_num_batched_tokens=8, max_num_seqs=4, block_size=4, **CACHE),
     "preempt": dict(num_kv_blocks=24, block_size=4, max_model_len=96, max_num_seqs=8),
     "prefill_first": dict(
-        scheduling_policy="prefill_first", max_num_batched_tokens=32, max_num_seqs=4, block_size=8
+        scheduling_policy="prefill_first", max_num_batched_tokens=32, max_num_seqs=4,
+        block_size=8, **CACHE
     ),
     "prefill_first_preempt": dict(
         scheduling_policy="prefill_first",
@@ -25,9 +29,10 @@ VARIANTS = {
         max_model_len=96,
         max_num_seqs=8,
     ),
-    "no_prefix_cache": dict(enable_prefix_caching=False, block_size=4),
+    "no_prefix_cache": dict(enable_prefix_caching=False, block_size=4, **CACHE),
     # overlap runs the engine's deferred-token path even on CPU (launch is synchronous there)
-    "overlap": dict(overlap=True, max_num_batched_tokens=8, max_num_seqs=4, block_size=4),
+    "overlap": dict(overlap=True, max_num_batched_tokens=8, max_num_seqs=4, block_size=4,
+                    **CACHE),
     "overlap_preempt": dict(overlap=True, num_kv_blocks=24, block_size=4, max_model_len=96,
                             max_num_seqs=8),
 }
@@ -50,7 +55,7 @@ def test_greedy_matches_transformers(tiny_model, greedy_reference, variant):
 
 
 def test_prefix_cache_reuses_blocks(tiny_model, greedy_reference):
-    llm = LLM(str(tiny_model), device="cpu", block_size=4)
+    llm = LLM(str(tiny_model), device="cpu", block_size=4, **CACHE)
     system = make_prompts(seed=7, count=1, shared_prefix=0)[0][:1] + list(range(10, 50))
     first = [system + [60, 61, 62]]
     rest = [system + [70 + i, 80 + i] for i in range(4)]
@@ -64,7 +69,7 @@ def test_prefix_cache_reuses_blocks(tiny_model, greedy_reference):
 
 
 def test_batch_of_one_equals_batch_of_many(tiny_model):
-    llm = LLM(str(tiny_model), device="cpu", block_size=8)
+    llm = LLM(str(tiny_model), device="cpu", block_size=8, **CACHE)
     prompts = make_prompts(seed=3, count=6)
     together = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
@@ -116,7 +121,7 @@ def test_half_precision_next_tokens_match_transformers(tiny_model, hf_tiny_model
     the engine's full next-token distribution at each step of greedy decoding, prefill and
     decode, is within the dtype's rounding of transformers' float32 distribution and as
     close to transformers' own run in that dtype as a different summation order allows."""
-    cpu = dict(block_size=4, num_kv_blocks=128)  # decode crosses blocks; a small cache is quick
+    cpu = dict(block_size=4, **CACHE)  # decode crosses blocks
     options = cpu if device == "cpu" else dict(max_model_len=256, kv_cache_gib=1)
     llm = LLM(str(tiny_model), device=device, dtype=dtype, **options)
     vocab = llm.engine.model_config.vocab_size
@@ -145,6 +150,6 @@ def test_half_precision_next_tokens_match_transformers(tiny_model, hf_tiny_model
 def test_rope_scaling_matches_transformers(tmp_path, scaling):
     path = build_tiny_model(tmp_path, "llama", rope_scaling=scaling)
     prompt = [(i * 37) % 390 + 3 for i in range(100)]  # past the original 64 positions
-    ours = LLM(str(path), device="cpu", block_size=8).generate([prompt], greedy(5),
-                                                               use_tqdm=False)
+    ours = LLM(str(path), device="cpu", block_size=8, **CACHE).generate([prompt], greedy(5),
+                                                                        use_tqdm=False)
     assert ours[0].token_ids == hf_greedy(load_hf_model(path), prompt, 5)
