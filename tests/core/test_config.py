@@ -1,0 +1,87 @@
+"""EngineConfig refuses every value the engine cannot run with, naming the option and the
+range to use, and accepts each boundary; ResolvedConfig summarizes itself in one line."""
+
+import dataclasses
+
+import pytest
+
+from nanovllm.core.config import EngineConfig, ResolvedConfig
+from nanovllm.core.errors import ConfigError
+
+# option -> (the largest or smallest value refused, the nearest one accepted)
+BOUNDARIES = {
+    "max_num_seqs": (0, 1),
+    "admission_max_delay": (-1, 0),
+    "num_kv_blocks": (0, 1),
+    "kv_cache_gib": (0.0, 0.001),
+    "gpu_memory_utilization": (0.0, 1.0),
+    "max_model_len": (0, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDARIES))
+def test_each_boundary(name):
+    refused, accepted = BOUNDARIES[name]
+    extra = {"max_num_batched_tokens": 1} if name == "max_num_seqs" else {}
+    assert getattr(EngineConfig(**{name: accepted}, **extra), name) == accepted
+    with pytest.raises(ConfigError, match=f"{name}=") as e:
+        EngineConfig(**{name: refused})
+    assert "invalid" in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(gpu_memory_utilization=1.01), "gpu_memory_utilization"),
+    (dict(block_size=0), "block_size"),
+    (dict(block_size=12), "block_size"),
+    (dict(scheduling_policy="lifo"), "scheduling_policy"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(device="tpu"), "device"),
+    (dict(attention_backend="flash"), "attention_backend"),
+    (dict(max_num_seqs=8, max_num_batched_tokens=7), "max_num_batched_tokens"),
+    (dict(admission_batch=0), "admission_batch"),
+    (dict(max_num_seqs=4, max_num_batched_tokens=64, admission_batch=5), "admission_batch"),
+])
+def test_bad_values_name_the_option(kwargs, name):
+    with pytest.raises(ConfigError, match=f"{name}="):
+        EngineConfig(**kwargs)
+
+
+def test_boundaries_that_are_accepted():
+    EngineConfig(max_num_seqs=8, max_num_batched_tokens=8)
+    EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, admission_batch=4)
+    EngineConfig(admission_batch=1)
+    for size in (1, 2, 16, 256):
+        assert EngineConfig(block_size=size).block_size == size
+    for policy in ("fair", "prefill_first"):
+        EngineConfig(scheduling_policy=policy)
+    for dtype in ("auto", "float32", "bfloat16", "float16"):
+        EngineConfig(dtype=dtype)
+    for backend in ("auto", "triton", "torch"):
+        EngineConfig(attention_backend=backend)
+
+
+def test_from_options_names_unknown_options():
+    assert EngineConfig.from_options(max_num_seqs=3).max_num_seqs == 3
+    with pytest.raises(ConfigError, match=r"unknown engine option\(s\) \['max_seqs'\]"):
+        EngineConfig.from_options(max_seqs=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        EngineConfig().max_num_seqs = 2  # type: ignore[misc]
+
+
+def test_resolved_summary_and_capacity():
+    cfg = ResolvedConfig(
+        device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
+        max_num_batched_tokens=64, block_size=16, num_kv_blocks=10, kv_cache_gib=None,
+        gpu_memory_utilization=0.9, enable_prefix_caching=True, scheduling_policy="fair",
+        admission_batch=1, admission_max_delay=16, cuda_graphs=False, overlap=True,
+        kernels="torch", attention_backend="torch", seed=0, num_threads=None,
+    )
+    assert cfg.kv_cache_tokens == 160
+    assert dataclasses.replace(cfg, num_kv_blocks=None).kv_cache_tokens == 0
+    line = cfg.summary()
+    assert "\n" not in line
+    for part in ("device=cpu", "dtype=float32", "max_model_len=128", "max_num_seqs=4",
+                 "max_num_batched_tokens=64", "kv_cache=10x16", "prefix_caching=on",
+                 "policy=fair", "admission_batch=1", "cuda_graphs=off", "overlap=on",
+                 "kernels=torch", "attention=torch"):
+        assert part in line, (part, line)
