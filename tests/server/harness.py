@@ -321,3 +321,14 @@ def offline_llm():
 
     return LLM(device="cpu", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
                num_kv_blocks=128)
+
+
+def pause_front_end(srv: ServerProcess, seconds: float) -> None:
+    """Stop the HTTP front end (SIGSTOP) for `seconds` while the engine process runs on: the
+    Deltas it sends meanwhile pile up and reach the front end merged, several tokens each.
+    The front end is continued whatever happens, so the server is never left stopped."""
+    os.kill(srv.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
