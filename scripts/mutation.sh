@@ -9,7 +9,7 @@ python -c 'import mutmut' 2>/dev/null || pip install -q "mutmut==3.8.1"
 work=${MUTATION_DIR:-$(mktemp -d)/tree}
 [ -d "$work" ] || git -C "$root" worktree add --detach -q "$work" HEAD
 cd "$work"
-# the scheduler fuzz test draws more examples here: a mutant it misses by chance survives
+# the scheduler fuzz test draws 300 examples (CI: 1000) to keep each mutant quick
 export HYPOTHESIS_EXAMPLES=${HYPOTHESIS_EXAMPLES:-300}
 mutmut run --max-children "${JOBS:-$(nproc)}" "$@" >/dev/null || true
 python "$root/scripts/mutation_score.py"

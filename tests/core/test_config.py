@@ -78,6 +78,9 @@ def test_resolved_summary_and_capacity():
     )
     assert cfg.kv_cache_tokens == 160
     assert dataclasses.replace(cfg, num_kv_blocks=None).kv_cache_tokens == 0
+    flipped = dataclasses.replace(cfg, cuda_graphs=True, overlap=False,
+                                  enable_prefix_caching=False).summary()
+    assert "cuda_graphs=on overlap=off" in flipped and "prefix_caching=off" in flipped
     line = cfg.summary()
     assert "\n" not in line
     for part in ("device=cpu", "dtype=float32", "max_model_len=128", "max_num_seqs=4",
@@ -85,3 +88,41 @@ def test_resolved_summary_and_capacity():
                  "policy=fair", "admission_batch=1", "cuda_graphs=off", "overlap=on",
                  "kernels=torch", "attention=torch"):
         assert part in line, (part, line)
+
+
+# the whole message: it names the value and says what to use instead
+MESSAGES = [
+    (dict(scheduling_policy="lifo"),
+     "scheduling_policy='lifo' is invalid: choose one of fair, prefill_first"),
+    (dict(max_num_seqs=0), "max_num_seqs=0 is invalid: use an integer >= 1"),
+    (dict(max_num_seqs=4, max_num_batched_tokens=64, admission_batch=5),
+     "admission_batch=5 is invalid: use an integer in [1, max_num_seqs=4]"),
+    (dict(admission_max_delay=-1),
+     "admission_max_delay=-1 is invalid: use a number of steps >= 0"),
+    (dict(max_num_seqs=8, max_num_batched_tokens=7),
+     "max_num_batched_tokens=7 is invalid: it must be >= max_num_seqs=8 so every running "
+     "sequence can decode each step"),
+    (dict(block_size=12), "block_size=12 is invalid: use a power of two such as 16"),
+    (dict(num_kv_blocks=0), "num_kv_blocks=0 is invalid: use a positive integer, or leave it "
+     "unset to size it from memory"),
+    (dict(kv_cache_gib=-1.0), "kv_cache_gib=-1.0 is invalid: use a positive size in GiB"),
+    (dict(gpu_memory_utilization=1.5),
+     "gpu_memory_utilization=1.5 is invalid: use a fraction in (0, 1]"),
+    (dict(dtype="fp8"), "dtype='fp8' is invalid: choose auto, float32, bfloat16 or float16"),
+    (dict(device="tpu"), "device='tpu' is invalid: choose auto, cpu or cuda"),
+    (dict(attention_backend="flash"),
+     "attention_backend='flash' is invalid: choose auto, triton or torch"),
+    (dict(max_model_len=0), "max_model_len=0 is invalid: use a positive integer"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", MESSAGES, ids=[m[1].split("=")[0] for m in MESSAGES])
+def test_messages_in_full(kwargs, message):
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(**kwargs)
+    assert str(e.value) == message
+
+
+def test_every_device_name_is_accepted():
+    for device in ("auto", "cpu", "cuda"):  # a config only: nothing is allocated
+        assert EngineConfig(device=device).device == device

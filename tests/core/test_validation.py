@@ -49,3 +49,17 @@ def test_max_tokens_must_fit_beside_the_prompt():
         check_prompt([1] * 4, VOCAB, CONTEXT, max_tokens=7)
     assert e.value.param == "max_tokens" and e.value.code == CONTEXT_LENGTH_EXCEEDED
     assert "has 4 tokens and max_tokens is 7" in str(e.value)
+
+
+def test_messages_name_the_first_bad_id_and_the_type():
+    check_prompt([0], VOCAB, CONTEXT)  # id 0 is a token like any other
+    with pytest.raises(InvalidRequestError) as e:
+        check_prompt([0, -1, VOCAB], VOCAB, CONTEXT)
+    assert str(e.value) == "prompt token id -1 is outside the vocabulary [0, 100)"
+    with pytest.raises(InvalidRequestError) as e:
+        check_prompt([], VOCAB, CONTEXT)
+    assert str(e.value) == "the prompt is empty; give at least one token"
+    with pytest.raises(InvalidRequestError) as e:
+        as_token_ids({"a": 1})
+    assert str(e.value) == "a prompt must be a string or a list of token ids, not dict"
+    assert e.value.param == "prompt"

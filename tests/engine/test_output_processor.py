@@ -49,12 +49,13 @@ class Driver:
         self.overlap = overlap
         self.seq_ids = iter(range(10**6))
 
-    def add(self, params: SamplingParams, stream=False, delta=False, detokenize=True, n=1):
-        seqs = [Sequence(next(self.seq_ids), PROMPT, params) for _ in range(n)]
+    def add(self, params: SamplingParams, stream=False, delta=False, detokenize=True, n=1,
+            request_id="r", prompt=None, arrival=0.0):
+        seqs = [Sequence(next(self.seq_ids), PROMPT, params, arrival) for _ in range(n)]
         for s in seqs:
             s.status = SequenceStatus.RUNNING
-        return self.proc.new_request("r", None, PROMPT, params, seqs, 0.0, stream, delta,
-                                     detokenize)
+        return self.proc.new_request(request_id, prompt, PROMPT, params, seqs, arrival, stream,
+                                     delta, detokenize)
 
     def run(self, req, tokens: list[list[int]], logprobs=None, end=True):
         """Every step's outputs until all completions finish or run out of tokens (each
@@ -260,3 +261,128 @@ def test_detokenizer_flush_gives_an_unfinished_character(tok):
     assert detok.step(ids[:1]) == ""  # a partial character is held back
     assert detok.flush() == tok.decode(ids[:1]) == "\ufffd"
     assert detok.flush() == "", "nothing twice"
+
+
+def test_outputs_carry_the_request(tok):
+    ids = [ids_of(tok, "The fox"), ids_of(tok, "A dog")]
+    lps = [[{t: -1.0 - k} for k, t in enumerate(i)] for i in ids]
+    d = Driver(tok)
+    req = d.add(SamplingParams(max_tokens=100, logprobs=0), n=2, request_id="req-7",
+                prompt="Say", arrival=1.0)
+    assert req.arrival_time == 1.0 and req.params.logprobs == 0
+    for seq in req.seqs:
+        seq.first_scheduled_time, seq.num_cached_prefix_tokens = 3.5, 16
+    (out,) = d.run(req, ids, lps)
+    assert (out.request_id, out.prompt, out.prompt_token_ids) == ("req-7", "Say", PROMPT)
+    assert out.queue_time == 2.5 and out.num_cached_tokens == 16
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert [c.logprobs for c in out.outputs] == lps
+    for delta in (False, True):  # no logprobs asked: None, not an empty list
+        d = Driver(tok)
+        req = d.add(SamplingParams(max_tokens=100), stream=True, delta=delta)
+        outs = d.run(req, ids[:1])
+        assert all(c.logprobs is None for o in outs for c in o.outputs)
+        assert all(o.queue_time is None for o in outs), "not scheduled: no queue time"
+
+
+def test_streamed_text_shows_special_tokens_when_asked(tok):
+    end = tok.special_tokens["<|im_end|>"]
+    ids = ids_of(tok, "The fox") + [end] + ids_of(tok, " ran")
+    n = len(ids_of(tok, "The fox")) + 1
+    for delta in (False, True):
+        d = Driver(tok)
+        req = d.add(SamplingParams(max_tokens=100, skip_special_tokens=False), stream=True,
+                    delta=delta)
+        outs = d.run(req, [ids], end=False)  # still running: texts are the stream's own
+        shown = "".join(o.text for o in outs[:n]) if delta else outs[n - 1].text
+        assert shown == "The fox<|im_end|>"
+
+
+def test_stop_strings_act_without_detokenize(tok):
+    ids = ids_of(tok, "The quick brown fox jumps")
+    d = Driver(tok)
+    req = d.add(SamplingParams(max_tokens=100, stop=["brown"]), detokenize=False)
+    (out,) = d.run(req, [ids])
+    assert out.text == "The quick " and out.outputs[0].finish_reason == "stop"
+
+
+def test_delta_stream_holds_back_only_what_may_begin_a_stop(tok):
+    text = "The quick brown fox jumps over the lazy dog."  # one byte per character
+    ids = ids_of(tok, text)
+    stops = ["zzz", "qqqqq"]  # never found; the longest has 5 characters
+    d = Driver(tok)
+    req = d.add(SamplingParams(max_tokens=len(ids), stop=stops), stream=True, delta=True)
+    outs = d.run(req, [ids])
+    shown = ""
+    for k, o in enumerate(outs[:-1], 1):
+        shown += o.text
+        assert len(shown) == max(0, len(tok.decode(ids[:k])) - 4), k
+    assert shown + outs[-1].text == text
+
+
+def test_min_tokens_boundary_for_stop_strings(tok):
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = ids_of(tok, text)
+    k = next(k for k in range(1, len(ids)) if "brown" in tok.decode(ids[:k]))
+    d = Driver(tok)  # the stop completes at token k, exactly min_tokens: it stops there
+    req = d.add(SamplingParams(max_tokens=len(ids), stop=["brown"], min_tokens=k))
+    (out,) = d.run(req, [ids])
+    assert out.outputs[0].stop_reason == "brown" and len(out.token_ids) == k
+    # a stop string completed before min_tokens does not end the completion later on
+    boundary = tok.decode(ids[:k])
+    stop = boundary[-5:]  # ends exactly where token k ends; the only (and longest) stop
+    if text.count(stop) == 1:
+        d = Driver(tok)
+        req = d.add(SamplingParams(max_tokens=len(ids), stop=[stop], min_tokens=k + 1))
+        (out,) = d.run(req, [ids])
+        assert out.outputs[0].finish_reason == "length" and out.text == text
+
+
+def test_the_first_occurrence_in_a_token_cuts(tok):
+    for t in range(tok.vocab_size):  # a token whose text holds some character twice
+        piece = tok.decode([t])
+        twice = [c for c in piece if c.isalnum() and piece.count(c) > 1]
+        if twice and "\ufffd" not in piece:
+            break
+    else:
+        pytest.skip("no token repeats a character")
+    d = Driver(tok)
+    req = d.add(SamplingParams(max_tokens=5, stop=[twice[0]]))
+    (out,) = d.run(req, [[t]])
+    assert out.text == piece[: piece.index(twice[0])]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completion_ending_inside_a_character_ends_as_decode_has_it(tok, stream):
+    ids = ids_of(tok, "東京 😀")
+    cut = ids[:-1]  # the emoji's last byte never comes
+    assert tok.decode(cut).endswith("\ufffd")
+    d = Driver(tok)
+    req = d.add(SamplingParams(max_tokens=100, stop=["zzz"]), stream=stream)
+    out = d.run(req, [cut])[-1]
+    assert out.text == tok.decode(cut)
+    d = Driver(tok)  # the same, ended by abort
+    req = d.add(SamplingParams(max_tokens=100), stream=stream)
+    d.run(req, [cut], end=False)
+    finish(req.seqs[0], FinishReason.ABORT)
+    d.proc.on_finish(req, 0, req.seqs[0])
+    assert d.proc.output(req).text == tok.decode(cut)
+
+
+def test_abort_without_detokenize_has_no_text(tok):
+    d = Driver(tok)
+    req = d.add(SamplingParams(max_tokens=100), stream=True, detokenize=False)
+    d.run(req, [ids_of(tok, "The fox")], end=False)
+    finish(req.seqs[0], FinishReason.ABORT)
+    d.proc.on_finish(req, 0, req.seqs[0])
+    assert d.proc.output(req).text == ""
+
+
+def test_a_delta_stream_reports_completions_that_moved_past_one_that_did_not(tok):
+    ids = [ids_of(tok, "The"), ids_of(tok, "The quick brown fox")]
+    d = Driver(tok)
+    req = d.add(SamplingParams(max_tokens=100), stream=True, delta=True, n=2)
+    outs = d.run(req, ids, end=False)  # completion 0 waits (no token) while 1 goes on
+    later = [c for o in outs for c in o.outputs if c.index == 1]
+    assert [t for c in later for t in c.token_ids] == ids[1]
+    assert "".join(c.text for c in later) == "The quick brown fox"
