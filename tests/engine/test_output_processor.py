@@ -205,7 +205,8 @@ def test_min_tokens_defers_a_stop_string(tok):
     d = Driver(tok)
     req = d.add(SamplingParams(max_tokens=len(ids), stop=["lazy"], min_tokens=2))
     out = d.run(req, [ids])[-1]
-    assert out.text == "The quick brown fox jumps over the " and out.outputs[0].stop_reason == "lazy"
+    assert out.text == "The quick brown fox jumps over the "
+    assert out.outputs[0].stop_reason == "lazy"
 
 
 def test_abort_keeps_what_a_stream_showed(tok):
