@@ -387,3 +387,17 @@ def test_a_delta_stream_reports_completions_that_moved_past_one_that_did_not(tok
     later = [c for o in outs for c in o.outputs if c.index == 1]
     assert [t for c in later for t in c.token_ids] == ids[1]
     assert "".join(c.text for c in later) == "The quick brown fox"
+
+
+def test_stop_strings_make_the_engine_decode_even_when_the_caller_would(tok):
+    """detokenize=False (the server decodes streams itself) does not hold for a request
+    with stop strings: their text is the engine's, also when it is aborted."""
+    ids = ids_of(tok, "The quick brown fox")
+    d = Driver(tok)
+    req = d.add(SamplingParams(max_tokens=100, stop=["zzz"]), stream=True, delta=True,
+                detokenize=False)
+    outs = d.run(req, [ids], end=False)
+    finish(req.seqs[0], FinishReason.ABORT)
+    d.proc.on_finish(req, 0, req.seqs[0])
+    shown = "".join(o.text for o in outs) + d.proc.output(req).text
+    assert shown == "The quick brown fox"

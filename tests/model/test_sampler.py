@@ -14,6 +14,7 @@ import torch
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.kernels import select_kernels
 from nanovllm.model.layers.sampler import (
+    MIN_TEMPERATURE,
     SamplerOutput,
     SamplingTensors,
     apply_penalties,
@@ -350,3 +351,104 @@ def test_dataclass_defaults_are_safe(device: str) -> None:
     logits = torch.tensor([[0.0, 5.0, 1.0]] * b, device=device)
     tokens = sample(logits, t).token_ids.tolist()
     assert tokens[0] == 1 and tokens[1] in (1, 2)
+
+
+class _OnePassSpy:
+    """Stands in for the engine's one-pass kernel: records its arguments, picks argmax."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+
+    def __call__(self, logits, temperatures, min_temperature):
+        self.calls.append((logits, temperatures, min_temperature))
+        return logits.argmax(-1)
+
+
+@pytest.mark.parametrize("params, fits", [
+    ([SamplingParams(temperature=0.0)] * 3, True),
+    ([SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)], True),
+    ([SamplingParams(temperature=0.0, top_k=3)] * 2, True),  # all greedy: filters moot
+    ([SamplingParams(temperature=0.0), SamplingParams(top_k=3)], False),
+    ([SamplingParams(temperature=0.0), SamplingParams(top_p=0.9)], False),
+    ([SamplingParams(temperature=0.0), SamplingParams(min_p=0.1)], False),
+    ([SamplingParams(temperature=0.0), SamplingParams(seed=1)], False),
+])
+def test_one_pass_runs_exactly_for_greedy_and_plain_temperature_batches(params, fits):
+    logits = torch.randn(len(params), 50).to(torch.bfloat16)
+    t = build_sampling_tensors(params, [[]] * len(params), [[]] * len(params), set(), 50, "cpu")
+    spy = _OnePassSpy()
+    out = sample(logits, t, spy)
+    assert len(spy.calls) == int(fits)
+    if fits:
+        got, temperatures, floor = spy.calls[0]
+        assert got is logits, "a plain batch without logprobs: the logits as they are"
+        assert torch.equal(temperatures, t.temperatures) and floor == MIN_TEMPERATURE
+        assert torch.equal(out.token_ids, logits.argmax(-1)) and out.logprobs is None
+    non_contiguous = torch.randn(50, len(params)).t()  # a view: the kernel needs stride 1
+    spy = _OnePassSpy()
+    sample(non_contiguous, t, spy)
+    assert spy.calls == []
+
+
+def test_one_pass_gets_penalized_masked_float32_logits_and_logprobs_stay_raw():
+    logits = (torch.randn(2, 30) * 2).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.0, frequency_penalty=1.5, logprobs=2),
+              SamplingParams(temperature=0.0, min_tokens=2)]
+    outputs = [[4, 4, 9], [1]]
+    t = build_sampling_tensors(params, [[]] * 2, outputs, {0}, 30, "cpu")
+    spy = _OnePassSpy()
+    out = sample(logits, t, spy)
+    (got, _, _), = spy.calls
+    want = apply_penalties(logits.float(), t).index_put(t.min_tokens_mask, torch.tensor(-math.inf))
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    raw = torch.log_softmax(logits.float(), -1)
+    torch.testing.assert_close(out.logprobs, raw.gather(1, out.token_ids[:, None]).squeeze(1))
+    assert out.top_logprobs.shape == (2, 2)
+
+
+@pytest.mark.parametrize("any_logprobs, max_logprobs", [(True, 0), (False, 1), (True, 1)])
+def test_logprobs_come_whenever_asked(any_logprobs, max_logprobs):
+    logits = torch.randn(3, 20)
+    t = build_sampling_tensors([SamplingParams(temperature=0.0)] * 3, [[]] * 3, [[]] * 3,
+                               set(), 20, "cpu")
+    t = dataclasses.replace(t, any_logprobs=any_logprobs, max_logprobs=max_logprobs)
+    out = sample(logits, t)
+    want = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(out.logprobs, want.gather(1, out.token_ids[:, None]).squeeze(1))
+    if max_logprobs:
+        top, ids = want.topk(max_logprobs, -1)
+        torch.testing.assert_close(out.top_logprobs, top)
+        assert torch.equal(out.top_logprob_ids, ids)
+    else:
+        assert out.top_logprobs is None
+
+
+def test_repetition_penalty_matches_transformers():
+    """Every sign and size of logit, those in (0, 1] included, as transformers' processor
+    penalizes them (over prompt and output together)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.linspace(-3, 3, 25).repeat(2, 1)
+    seen = [list(range(0, 25, 2)), list(range(1, 25, 3))]
+    params = [SamplingParams(repetition_penalty=1.7), SamplingParams(repetition_penalty=0.6)]
+    t = build_sampling_tensors(params, [s[:3] for s in seen], [s[3:] for s in seen], set(),
+                               25, "cpu")
+    got = apply_penalties(logits.clone(), t)
+    for row, (p, ids) in enumerate(zip(params, seen)):
+        want = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(
+            torch.tensor([ids]), logits[row : row + 1].clone())
+        torch.testing.assert_close(got[row : row + 1], want)
+
+
+def test_min_p_is_relative_to_each_rows_own_top_probability():
+    peaked = torch.tensor([6.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # top p ~0.97
+    flat = torch.tensor([0.1, 0.0, 0.0, 0.0, -5.0, -5.0])  # top p ~0.27: four within 0.5x
+    logits = torch.stack([peaked, flat] * 200)
+    params = [SamplingParams(min_p=0.5)] * 400
+    t = build_sampling_tensors(params, [[]] * 400, [[]] * 400, set(), 6, "cpu")
+    tokens = sample(logits, t).token_ids
+    assert set(tokens[0::2].tolist()) == {0}
+    assert set(tokens[1::2].tolist()) == {0, 1, 2, 3}  # drawn from all four, never 4 or 5
+    t = build_sampling_tensors([SamplingParams(min_p=1.0)] * 400, [[]] * 400, [[]] * 400,
+                               set(), 6, "cpu")
+    assert set(sample(logits, t).token_ids[1::2].tolist()) == {0}  # min_p 1: the top only
