@@ -1,5 +1,7 @@
 """BlockManager without a model: hashing, prefix reuse, ref counts, the free list."""
 
+import pytest
+
 from nanovllm.core import block_manager as bm_module
 from nanovllm.core.block_manager import BlockManager, hash_block
 from nanovllm.core.sampling_params import SamplingParams
@@ -135,7 +137,8 @@ def test_prefix_caching_off_never_hits():
     a = make_seq(0, prompt)
     prefill(bm, a)
     assert a.block_hashes == [] and bm.hash_to_block == {}
-    assert prefill(bm, make_seq(1, prompt)) == 0
+    b = make_seq(1, prompt)
+    assert prefill(bm, b) == 0 and b.num_cached_prefix_tokens == 0
 
 
 def test_twin_blocks_computed_side_by_side_keep_the_chain():
@@ -178,3 +181,45 @@ def test_reset_prefix_cache_forgets_cached_blocks_only_when_idle():
     again = Sequence(1, [1, 2, 3, 4, 5], SamplingParams())
     assert bm.allocate_cached_prefix(again) == 0
     bm.check_invariants([])
+
+
+def test_a_cache_without_blocks_or_with_empty_blocks_is_refused():
+    """num_blocks and block_size must both be positive."""
+    for num_blocks, block_size in ((0, BS), (4, 0), (0, 0)):
+        with pytest.raises(AssertionError):
+            BlockManager(num_blocks, block_size)
+
+
+def test_blocks_registered_one_step_at_a_time_are_each_hashed_once():
+    """Registering after every chunk (as each step does) hashes each full block once, in
+    chain order, and an identical prompt then hits every full block."""
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    tokens = list(range(13))
+    a = make_seq(0, tokens)
+    for n in (4, 4, 3, 2):
+        compute(bm, a, n)
+    h0 = hash_block(tokens[0:4], 0)
+    h1 = hash_block(tokens[4:8], h0)
+    assert a.block_hashes == [h0, h1, hash_block(tokens[8:12], h1)]
+    b = make_seq(1, tokens)
+    assert prefill(bm, b) == 12 and b.block_table[:3] == a.block_table[:3]
+    bm.check_invariants([a, b])
+
+
+def test_reallocated_blocks_are_cached_under_their_new_tokens():
+    """A cached block handed out again is forgotten under its old tokens and cached under
+    the new ones, wherever it lands in the new block table (here a's first block ends
+    b's table, behind a block never used before)."""
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = make_seq(0, list(range(9)))
+    prefill(bm, a)
+    bm.free(a)
+    other = [50 + i for i in range(16)]
+    b = make_seq(1, other)
+    assert prefill(bm, b) == 0  # takes every block, the two cached ones included
+    b_blocks = b.block_table
+    bm.free(b)
+    c = make_seq(2, other)
+    assert prefill(bm, c) == 12 and c.block_table[:3] == b_blocks[:3]
+    bm.free(c)
+    assert prefill(bm, make_seq(3, list(range(9)))) == 0  # a's blocks hold b's tokens now

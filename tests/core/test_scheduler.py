@@ -220,6 +220,15 @@ def test_prefill_first_chunks_only_the_first_prefill_of_a_step():
     assert a.is_finished and b.is_finished
 
 
+def test_prefill_first_admits_a_prompt_that_exactly_fills_the_remaining_budget():
+    """A second prompt is taken whole when its tokens equal what is left of the budget."""
+    sched = make_scheduler("prefill_first", max_num_batched_tokens=16)
+    eng = FakeEngine(sched)
+    eng.add(prompt(6), max_tokens=2)
+    eng.add(prompt(10, 200), max_tokens=2)
+    assert eng.step() == [(0, 6), (1, 10)]
+
+
 # ---- fair ---------------------------------------------------------------------
 
 
@@ -275,6 +284,63 @@ def test_prompts_sharing_a_prefix_reuse_its_blocks(policy):
     assert (sched.prefix_hits, sched.prefix_queries) == (16, 10 + 11 + 10)
 
 
+@pytest.mark.parametrize(
+    "num_blocks, first, steps",
+    [
+        # 1 block free: the prompt's next chunk shrinks from 7 to the 6 tokens that fit
+        (4, 2, [[(0, 2), (1, 6)], [(0, 1), (1, 6)]]),
+        # no block free, 1 slot left in its last block: a 1-token chunk
+        (3, 1, [[(0, 1), (1, 7)], [(0, 1), (1, 1)]]),
+    ],
+)
+def test_fair_running_prompt_short_of_blocks_takes_the_chunk_that_fits(num_blocks, first, steps):
+    """A running prompt whose next chunk needs more blocks than are free gets the largest
+    chunk its blocks and the free ones hold (even one token) instead of being preempted."""
+    max_len = num_blocks * 4  # the cache holds one whole sequence, as the engine ensures
+    sched = make_scheduler("fair", num_blocks=num_blocks, block_size=4, max_num_seqs=2,
+                           max_num_batched_tokens=8, max_model_len=max_len)
+    eng = FakeEngine(sched)
+    eng.add(prompt(first), max_tokens=3)
+    eng.add(prompt(max_len - 1, 200), max_tokens=1)
+    assert [eng.step() for _ in steps] == steps
+    assert sched.num_preemptions == 0
+    eng.run()
+
+
+def test_fair_preempting_a_scheduled_decode_gives_its_token_back_to_the_budget():
+    """A decode dropped from the step by KV preemption returns its token to the budget,
+    so a prompt chunk later in the same step can use it."""
+    sched = make_scheduler("fair", num_blocks=5, block_size=4, max_num_seqs=3,
+                           max_num_batched_tokens=8, max_model_len=20)
+    eng = FakeEngine(sched)
+    low = eng.add(prompt(8, 500), 1, max_tokens=8)
+    assert eng.step() == [(0, 8)]
+    d = eng.add(prompt(4), 0, max_tokens=8)
+    p = eng.add(prompt(12, 300), 0, max_tokens=2)
+    assert eng.step() == [(0, 1), (1, 4), (2, 3)]  # every block is in use now
+    # low decodes first, then d needs a block: low (the worst priority) is preempted, its
+    # token goes back to the budget, and p's chunk takes all 8 - 1 that is left
+    assert eng.step() == [(d.seq_id, 1), (p.seq_id, 7)]
+    assert list(sched.waiting) == [low] and low.num_preemptions == 1
+    eng.run()
+
+
+def test_fair_step_that_preempts_for_blocks_admits_no_new_prompt():
+    """After a running sequence is preempted for KV blocks, the step admits nothing, even
+    a waiting prompt the freed blocks would hold; it starts on the next step."""
+    sched = make_scheduler("fair", num_blocks=3, block_size=4, max_num_seqs=3,
+                           max_model_len=12)
+    eng = FakeEngine(sched)
+    a = eng.add(prompt(4), 0, max_tokens=4)
+    low = eng.add(prompt(5, 200), 1, max_tokens=4)
+    assert eng.step() == [(0, 4), (1, 5)]  # all three blocks in use
+    new = eng.add(prompt(2, 300), 0, max_tokens=1)
+    assert eng.step() == [(a.seq_id, 1)]  # a's new block came from preempting low
+    assert low.num_preemptions == 1 and list(sched.waiting) == [new, low]
+    assert eng.step() == [(a.seq_id, 1), (new.seq_id, 2)]
+    eng.run()
+
+
 # ---- preemption, finishing ------------------------------------------------------
 
 
@@ -314,6 +380,18 @@ def test_finishing_a_sequence_mid_prefill_frees_its_blocks(policy):
     assert seq.finish_reason == FinishReason.ABORT
 
 
+def test_a_new_sequence_has_done_nothing_yet():
+    """A request's outputs before (or without) admission, and streamed ones before its end,
+    report a sequence's initial state: waiting, nothing computed, scheduled or cached,
+    no finish or stop reason, no queue time yet."""
+    seq = Sequence(0, prompt(5), SamplingParams())
+    assert seq.status == SequenceStatus.WAITING and not seq.is_finished
+    assert (seq.num_computed_tokens, seq.num_scheduled_tokens) == (0, 0)
+    assert (seq.num_cached_prefix_tokens, seq.num_preemptions) == (0, 0)
+    assert (seq.finish_reason, seq.stop_reason, seq.first_scheduled_time) == (None, None, None)
+    assert seq.output_token_ids == [] and seq.logprobs == [] and seq.block_table == []
+
+
 def test_waiting_and_running_sequences_can_be_aborted():
     sched = make_scheduler(max_num_seqs=1)
     eng = FakeEngine(sched)
@@ -321,15 +399,21 @@ def test_waiting_and_running_sequences_can_be_aborted():
     b = eng.add(prompt(5, 200), max_tokens=8)
     eng.step()
     assert sched.running == [a] and list(sched.waiting) == [b]
+    assert a.stop_reason is None  # running, not stopped
+    assert sched.schedule().seqs == [a] and a.num_scheduled_tokens == 1  # a's next step
     eng.finish(b, FinishReason.ABORT)
     eng.finish(a, FinishReason.TIMEOUT)
     assert (a.finish_reason, b.finish_reason) == (FinishReason.TIMEOUT, FinishReason.ABORT)
+    assert a.num_scheduled_tokens == 0  # ended while scheduled: nothing left to run
+    # b never ran: its output reports no cached tokens and no queue time
+    assert (b.num_cached_prefix_tokens, b.first_scheduled_time) == (0, None)
     assert not sched.has_unfinished()
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
 
 def test_stop_conditions():
-    script = {0: [7, EOS], 1: [7, EOS, 9], 2: [7, STOP_ID], 3: [7, 7, 7], 4: [EOS, 7, EOS]}
+    script = {0: [7, EOS], 1: [7, EOS, 9], 2: [7, STOP_ID], 3: [7, 7, 7], 4: [EOS, 7, EOS],
+              5: [7, EOS, 7, 7], 6: [7, STOP_ID, 7, 7]}
 
     def next_token(seq: Sequence) -> int:
         return script[seq.seq_id][seq.num_output_tokens]
@@ -341,12 +425,17 @@ def test_stop_conditions():
     stop = eng.add(prompt(4), stop_token_ids=[STOP_ID])
     long = eng.add(prompt(10), max_tokens=None)
     min_tokens = eng.add(prompt(4), ignore_eos=False, min_tokens=2)
+    # a stop token is honoured from the min_tokens-th output token on, that one included
+    eos_at_min = eng.add(prompt(4), ignore_eos=False, min_tokens=2)
+    stop_at_min = eng.add(prompt(4), stop_token_ids=[STOP_ID], min_tokens=2)
     eng.run()
     assert (eos.finish_reason, eos.output_token_ids) == (FinishReason.STOP, [7, EOS])
     assert (ignore.finish_reason, ignore.output_token_ids) == (FinishReason.LENGTH, [7, EOS, 9])
     assert (stop.finish_reason, stop.stop_reason) == (FinishReason.STOP, STOP_ID)
     assert (long.finish_reason, long.num_tokens) == (FinishReason.LENGTH, 12)  # max_model_len
     assert min_tokens.output_token_ids == [EOS, 7, EOS]
+    assert (eos_at_min.finish_reason, eos_at_min.output_token_ids) == (FinishReason.STOP, [7, EOS])
+    assert (stop_at_min.stop_reason, stop_at_min.output_token_ids) == (STOP_ID, [7, STOP_ID])
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
 
@@ -504,3 +593,119 @@ def test_priority_orders_waiting_and_preempts_worse_running():
     for seq in low + [mid, urgent]:  # preemption lost nothing
         script = [10 + (seq.seq_id * 7 + seq.num_prompt_tokens + k) % 50 for k in range(40)]
         assert seq.output_token_ids == expected_output(seq, script, 40)[0]
+
+
+def test_waiting_is_ordered_by_priority_then_arrival():
+    """New requests queue behind every request of their priority or better, ahead of
+    worse ones: lower priority values first, first come first served within one."""
+    sched = make_scheduler(max_num_seqs=1)
+    eng = FakeEngine(sched)
+    priorities = [1, 0, 2, 1, 0, 2, 1, 0]
+    seqs = [eng.add(prompt(3, 100 * i), p) for i, p in enumerate(priorities)]
+    assert list(sched.waiting) == sorted(seqs, key=lambda s: s.priority)  # a stable sort
+    assert eng.step() == [(1, 3)]  # the earliest of the best priority runs first
+
+
+def test_preempted_sequences_return_to_the_head_of_their_priority_in_running_order():
+    """A sequence preempted for a better-priority request goes back ahead of the waiting
+    requests of its own priority (behind better ones), victims keep their running order,
+    and each preemption is counted; its first scheduling time is kept for queue metrics."""
+    sched = make_scheduler("fair", max_num_seqs=2, max_num_batched_tokens=16)
+    eng = FakeEngine(sched)
+    low1, low2 = eng.add(prompt(3), 1, max_tokens=20), eng.add(prompt(3, 200), 1, max_tokens=20)
+    assert eng.step() == [(0, 3), (1, 3)]
+    first_scheduled = low1.first_scheduled_time
+    assert first_scheduled is not None
+    same = eng.add(prompt(3, 300), 1, max_tokens=1)  # no row free, and no worse victim
+    assert eng.step() == [(0, 1), (1, 1)]
+    assert list(sched.waiting) == [same]
+
+    urgent = [eng.add(prompt(2, 400 + 100 * i), 0, max_tokens=1) for i in range(2)]
+    assert eng.step() == [(s.seq_id, 2) for s in urgent]  # both rows taken from low1, low2
+    assert list(sched.waiting) == [low1, low2, same]
+    for seq in (low1, low2):
+        assert seq.status == SequenceStatus.WAITING and seq.num_scheduled_tokens == 0
+        assert seq.num_preemptions == 1 and seq.block_table == []
+
+    # back in their order; each recomputes only the token after its cached first block
+    assert eng.step() == [(low1.seq_id, 1), (low2.seq_id, 1)]
+    assert low1.first_scheduled_time == first_scheduled
+    assert list(sched.waiting) == [same]
+
+    again = eng.add(prompt(2, 600), 0, max_tokens=1)
+    assert eng.step() == [(low1.seq_id, 1), (again.seq_id, 2)]
+    assert (low1.num_preemptions, low2.num_preemptions, sched.num_preemptions) == (1, 2, 3)
+    assert list(sched.waiting) == [low2, same]
+    eng.run()
+    assert all(s.finish_reason == FinishReason.LENGTH for s in eng.seqs)
+
+
+def test_fair_better_priority_prompt_short_of_blocks_preempts_and_runs_in_the_same_step():
+    """A waiting request that finds no free KV blocks preempts a running request of worse
+    priority and starts in that same step, with the whole token budget."""
+    sched = make_scheduler("fair", num_blocks=3, block_size=4, max_num_seqs=4,
+                           max_num_batched_tokens=16, max_model_len=12)
+    eng = FakeEngine(sched)
+    low = eng.add(prompt(8), 1, max_tokens=3)
+    assert eng.step() == [(0, 8)]
+    urgent = eng.add(prompt(8, 200), 0, max_tokens=1)
+    assert eng.step() == [(urgent.seq_id, 8)]  # low's decode took the last block first
+    assert list(sched.waiting) == [low] and low.num_preemptions == 1
+    eng.run()
+
+
+def test_fair_priority_preemption_waits_for_a_prompt_left_mid_prefill():
+    """No priority preemption admits a request beside a prompt that this step leaves
+    mid-prefill (here for lack of blocks): what a victim would free goes to that prompt."""
+    sched = make_scheduler("fair", num_blocks=6, block_size=4, max_num_seqs=3,
+                           max_num_batched_tokens=16, max_model_len=24)
+    eng = FakeEngine(sched)
+    worst = eng.add(prompt(4), 2, max_tokens=20)
+    assert eng.step() == [(0, 4)]
+    long = eng.add(prompt(20, 200), 0, max_tokens=2)
+    assert eng.step() == [(0, 1), (1, 15)]  # every block in use
+    mid = eng.add(prompt(2, 300), 1, max_tokens=2)
+    # long's last free slot takes a 1-token chunk; mid finds no block, and may not take
+    # worst's while long is mid-prefill
+    assert eng.step() == [(0, 1), (1, 1)]
+    assert list(sched.waiting) == [mid] and worst.num_preemptions == 0
+    assert eng.step() == [(long.seq_id, 4)]  # worst's blocks go to long's last chunk
+    assert worst.num_preemptions == 1 and list(sched.waiting) == [mid, worst]
+    eng.run()
+
+
+def test_admission_batch_does_not_hold_a_prompt_that_outranks_a_running_one():
+    """Admission batching never holds back a waiting head of better priority than some
+    running request, even when the requests behind it would be held."""
+    sched = make_scheduler("fair", max_num_seqs=3, max_num_batched_tokens=16,
+                           admission_batch=2, admission_max_delay=100)
+    eng = FakeEngine(sched)
+    for i in range(2):
+        eng.add(prompt(3, 100 * i), 1, max_tokens=20)
+    assert eng.step() == [(0, 3), (1, 3)]
+    urgent = eng.add(prompt(3, 300), 0, max_tokens=1)
+    eng.add(prompt(3, 400), 1, max_tokens=1)  # one row free, two waiting: would be held
+    assert eng.step() == [(0, 1), (1, 1), (urgent.seq_id, 3)]
+    eng.run()
+
+
+def test_resolve_stores_logprobs_of_the_rows_that_have_them():
+    """`resolve` puts each row's sampled token in place, appends logprobs only for rows
+    given some, and refuses a token list of another length than the rows."""
+    sched = make_scheduler()
+    a, b = (Sequence(i, prompt(3, 100 * i), SamplingParams()) for i in range(2))
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch and batch.sampling_seqs == [a, b]
+    sched.advance(batch)
+    assert sched.resolve([a, b], [7, 8], [{7: -0.5}, None]) == [a, b]
+    assert (a.output_token_ids, b.output_token_ids) == ([7], [8])
+    assert (a.logprobs, b.logprobs) == ([{7: -0.5}], [])
+    batch = sched.schedule()
+    sched.advance(batch)
+    with pytest.raises(ValueError):
+        sched.resolve(batch.sampling_seqs, [9])
+    sched.finish(a, FinishReason.ABORT)
+    sched.finish(b, FinishReason.ABORT)
+    assert not sched.schedule()  # nothing left: an empty batch
