@@ -11,6 +11,9 @@ work=${MUTATION_DIR:-$(mktemp -d)/tree}
 cd "$work"
 # the scheduler fuzz test draws 300 examples (CI: 1000) to keep each mutant quick
 export HYPOTHESIS_EXAMPLES=${HYPOTHESIS_EXAMPLES:-300}
+# one torch thread per child: two children of two threads on two cores spin in OpenMP
+# barriers and time out tests that take 0.2 s alone
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 mutmut run --max-children "${JOBS:-$(nproc)}" "$@" >/dev/null || true
 python "$root/scripts/mutation_score.py"
 echo "worktree: $work (mutmut show <name> / mutmut browse there; git worktree remove when done)"

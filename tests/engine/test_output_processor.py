@@ -401,3 +401,9 @@ def test_stop_strings_make_the_engine_decode_even_when_the_caller_would(tok):
     d.proc.on_finish(req, 0, req.seqs[0])
     shown = "".join(o.text for o in outs) + d.proc.output(req).text
     assert shown == "The quick brown fox"
+    d = Driver(tok)  # not streamed: the final text is decoded at the abort
+    req = d.add(SamplingParams(max_tokens=100, stop=["zzz"]), detokenize=False)
+    d.run(req, [ids], end=False)
+    finish(req.seqs[0], FinishReason.ABORT)
+    d.proc.on_finish(req, 0, req.seqs[0])
+    assert d.proc.output(req).text == "The quick brown fox"

@@ -174,12 +174,24 @@ def test_seeds_differ_and_unseeded_rows_vary(device: str) -> None:
 
 def test_seeded_path_without_row_index_agrees(device: str) -> None:
     params = [SamplingParams(seed=s if s % 3 else None, top_p=0.9) for s in range(12)]
+    params[0] = SamplingParams(seed=0, top_p=0.9)  # seed 0 is a seed like any other
     t = build_sampling_tensors(params, [[]] * 12, [[0] * s for s in range(12)], set(), 32, device)
     logits = torch.randn(12, 32, device=device)
     fast = sample(logits, t).token_ids
     slow = sample(logits, dataclasses.replace(t, seeded_rows=None)).token_ids
-    seeded = torch.tensor([s % 3 != 0 for s in range(12)], device=device)
+    seeded = torch.tensor([s % 3 != 0 or s == 0 for s in range(12)], device=device)
     assert torch.equal(fast[seeded], slow[seeded])
+    # seeds 0 and 1 draw differently, and the same on both paths
+    flat = torch.zeros(64, 1000, device=device)
+    for seed in (0, 1):
+        same = [SamplingParams(seed=seed, top_p=0.99)] * 64
+        t = build_sampling_tensors(same, [[]] * 64, [[0] * i for i in range(64)], set(), 1000,
+                                   device)
+        draws = sample(flat, dataclasses.replace(t, seeded_rows=None)).token_ids
+        assert torch.equal(draws, sample(flat, t).token_ids)
+        if seed == 0:
+            zero = draws
+    assert not torch.equal(zero, draws)
 
 
 @pytest.mark.gpu
@@ -212,10 +224,14 @@ def test_seed_hash_matches_python_reference(device: str) -> None:
         for word in (seed >> 32, offset & 0xFFFFFFFF, offset >> 32):
             key = _fmix32(key ^ word)
         key2 = _fmix32(key ^ 0x27D4EB2F)
-        for tok in (0, 1, 49):
+        us = []
+        for tok in range(50):
             h = _fmix32(_fmix32(key ^ ((tok * 0x9E3779B1) & 0xFFFFFFFF)) ^ key2)
-            u = ((h >> 9) * 2 + 1) * 2.0**-24
-            assert got[row, tok].item() == pytest.approx(-math.log(u), rel=1e-6)
+            us.append(((h >> 9) * 2 + 1) * 2.0**-24)  # exact in float32
+        assert got[row].tolist() == pytest.approx([-math.log(u) for u in us], rel=1e-6)
+        # the same float32 u through the same log: equal to the bit
+        want = -torch.tensor(us, dtype=torch.float32, device=device).log().cpu()
+        assert torch.equal(got[row], want)
 
 
 def _reference_penalties(logits, params, prompts, outputs):  # noqa: ANN001, ANN202
@@ -390,6 +406,15 @@ def test_one_pass_runs_exactly_for_greedy_and_plain_temperature_batches(params, 
     assert spy.calls == []
 
 
+def test_one_pass_gets_float32_logits_when_a_penalty_alone_applies():
+    logits = torch.randn(2, 30).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.0, presence_penalty=1.0)] * 2
+    t = build_sampling_tensors(params, [[]] * 2, [[3], [4]], set(), 30, "cpu")
+    spy = _OnePassSpy()
+    sample(logits, t, spy)
+    assert spy.calls[0][0].dtype == torch.float32
+
+
 def test_one_pass_gets_penalized_masked_float32_logits_and_logprobs_stay_raw():
     logits = (torch.randn(2, 30) * 2).to(torch.bfloat16)
     params = [SamplingParams(temperature=0.0, frequency_penalty=1.5, logprobs=2),
@@ -442,7 +467,7 @@ def test_repetition_penalty_matches_transformers():
 
 def test_min_p_is_relative_to_each_rows_own_top_probability():
     peaked = torch.tensor([6.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # top p ~0.97
-    flat = torch.tensor([0.1, 0.0, 0.0, 0.0, -5.0, -5.0])  # top p ~0.27: four within 0.5x
+    flat = torch.tensor([0.0, 0.0, 0.1, 0.0, -5.0, -5.0])  # top p ~0.27: four within 0.5x
     logits = torch.stack([peaked, flat] * 200)
     params = [SamplingParams(min_p=0.5)] * 400
     t = build_sampling_tensors(params, [[]] * 400, [[]] * 400, set(), 6, "cpu")
@@ -451,4 +476,11 @@ def test_min_p_is_relative_to_each_rows_own_top_probability():
     assert set(tokens[1::2].tolist()) == {0, 1, 2, 3}  # drawn from all four, never 4 or 5
     t = build_sampling_tensors([SamplingParams(min_p=1.0)] * 400, [[]] * 400, [[]] * 400,
                                set(), 6, "cpu")
-    assert set(sample(logits, t).token_ids[1::2].tolist()) == {0}  # min_p 1: the top only
+    assert set(sample(logits, t).token_ids[1::2].tolist()) == {2}  # min_p 1: the top only
+
+
+def test_top_k_of_one_is_the_likeliest_token():
+    logits = torch.randn(300, 40)
+    t = build_sampling_tensors([SamplingParams(top_k=1, temperature=1.5)] * 300, [[]] * 300,
+                               [[]] * 300, set(), 40, "cpu")
+    assert torch.equal(sample(logits, t).token_ids, logits.argmax(-1))
