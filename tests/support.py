@@ -171,3 +171,24 @@ def assert_matches(tokens: torch.Tensor, probs: torch.Tensor) -> None:
     a = 2 / (9 * df)
     critical = df * (1 - a + 3.719 * math.sqrt(a)) ** 3
     assert stat < critical, f"chi2={stat:.1f} >= {critical:.1f}; counts={counts.tolist()}"
+
+
+@torch.inference_mode()
+def engine_logprobs(llm, ids: list[int]) -> torch.Tensor:
+    """The engine model's log next-token distributions after each prefix of `ids` ([len(ids),
+    vocab], float64), teacher-forced: one prefill of the whole sequence through its own layers
+    and KV cache (blocks 0.., so the prefix cache is reset; no request may be running)."""
+    from nanovllm.kernels.attention_metadata import AttentionMetadata
+
+    runner = llm.engine.runner
+    bs, n = runner.config.block_size, len(ids)
+    assert llm.engine.scheduler.block_manager.reset_prefix_cache(), "requests are running"
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        context_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.arange(-(-n // bs), dtype=torch.int32)[None],
+        max_query_len=n, max_context_len=n, query_lens_host=[n], context_lens_host=[n],
+    )
+    hidden = runner.model(torch.tensor(ids), torch.arange(n), meta)
+    return torch.log_softmax(runner.model.compute_logits(hidden).double(), -1)

@@ -40,6 +40,9 @@ class EngineConfig:
     overlap: bool | None = None  # schedule step N+1 while the GPU runs step N (None: on GPU)
     seed: int = 0
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
+    # how a GGUF file's 4/8-bit weights run: packed (kept quantized; CPU kernels) | dense
+    # (dequantized to dtype). auto: packed on a CPU, dense on a GPU (see BENCHMARKS.md)
+    weight_format: str = "auto"
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":
@@ -84,6 +87,8 @@ class EngineConfig:
             bad("attention_backend", "choose auto, triton or torch")
         if self.max_model_len is not None and self.max_model_len < 1:
             bad("max_model_len", "use a positive integer")
+        if self.weight_format not in ("auto", "packed", "dense"):
+            bad("weight_format", "choose auto, packed or dense")
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ class ResolvedConfig:
     attention_backend: str  # "triton" | "torch"
     seed: int
     num_threads: int | None
+    weight_format: str = "dense"  # "packed" | "dense"
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -125,7 +131,8 @@ class ResolvedConfig:
             f"prefix_caching={_on(self.enable_prefix_caching)} "
             f"policy={self.scheduling_policy} admission_batch={self.admission_batch} "
             f"cuda_graphs={_on(self.cuda_graphs)} overlap={_on(self.overlap)} "
-            f"kernels={self.kernels} attention={self.attention_backend}"
+            f"kernels={self.kernels} attention={self.attention_backend} "
+            f"weights={self.weight_format}"
         )
 
 

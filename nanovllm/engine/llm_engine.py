@@ -48,7 +48,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(
             self.model_config.eos_token_ids
         )
-        resolved = resolve_config(config, self.model_config)
+        resolved = resolve_config(config, self.model_config, source.gguf is not None)
         self.runner = ModelRunner(resolved, source, self.model_config, self.eos_token_ids)
         self.config = fit_kv_cache(resolved, config, self.runner.measure_kv_blocks())
         self.runner.setup(self.config)

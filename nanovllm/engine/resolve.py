@@ -18,8 +18,11 @@ from nanovllm.model.config import ModelConfig
 GPU_ADMISSION_BATCH = 16  # with CUDA graphs, see EngineConfig.admission_batch
 
 
-def resolve_config(config: EngineConfig, model: ModelConfig) -> ResolvedConfig:
-    """Everything but the KV cache's size, which `fit_kv_cache` adds."""
+def resolve_config(
+    config: EngineConfig, model: ModelConfig, quantized_file: bool = False
+) -> ResolvedConfig:
+    """Everything but the KV cache's size, which `fit_kv_cache` adds. `quantized_file`: the
+    checkpoint is a GGUF file (whose 4/8-bit weights may stay packed)."""
     device = _device(config.device)
     cuda = device == "cuda"
     context = model.max_position_embeddings
@@ -52,6 +55,7 @@ def resolve_config(config: EngineConfig, model: ModelConfig) -> ResolvedConfig:
         attention_backend=_attention(config.attention_backend, cuda),
         seed=config.seed,
         num_threads=config.num_threads,
+        weight_format=_weight_format(config.weight_format, device, quantized_file),
     )
 
 
@@ -69,6 +73,17 @@ def fit_kv_cache(resolved: ResolvedConfig, asked: EngineConfig, num_blocks: int)
             "memory (num_kv_blocks, kv_cache_gib, gpu_memory_utilization)"
         )
     return dataclasses.replace(resolved, num_kv_blocks=num_blocks, max_model_len=max_model_len)
+
+
+def _weight_format(name: str, device: str, quantized_file: bool) -> str:
+    if name == "packed" and device != "cpu":
+        raise ConfigError(
+            "weight_format='packed' runs on the CPU only (torch's packed int4/int8 CPU "
+            "kernels); use weight_format='dense' or 'auto' on a GPU"
+        )
+    if name == "auto":
+        name = "packed" if device == "cpu" else "dense"
+    return name if quantized_file else "dense"  # a float checkpoint has nothing to pack
 
 
 def _device(name: str) -> str:

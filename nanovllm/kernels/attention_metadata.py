@@ -1,4 +1,4 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,3 +23,6 @@ class AttentionMetadata:
     # host copies, so the torch backend can split rows without a device sync
     query_lens_host: list[int]
     context_lens_host: list[int]
+    # what a backend derives from the above once per step for every layer (torch: each
+    # decode row's cache slots), filled by the first layer that needs it
+    derived: dict = field(default_factory=dict, repr=False, compare=False)

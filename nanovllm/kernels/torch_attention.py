@@ -48,12 +48,41 @@ def paged_attention(
     for i, n in enumerate(meta.query_lens_host):
         if i in done or n == 0:
             continue
+        if n == 1:  # one decode token sees its whole context: no mask, two small matmuls
+            slots = _context_slots(meta, i, k_cache.shape[1])
+            heads, dim = k_cache.shape[2], k_cache.shape[3]
+            k = k_cache.view(-1, heads, dim).index_select(0, slots)
+            v = v_cache.view(-1, heads, dim).index_select(0, slots)
+            out[starts[i]] = _decode_one(q[starts[i]], k, v, scale)
+            continue
         length = meta.context_lens_host[i]
         k = _gather(k_cache, meta.block_tables[i], length)
         v = _gather(v_cache, meta.block_tables[i], length)
         qi = q[starts[i] : starts[i] + n]
         out[starts[i] : starts[i] + n] = _attend(qi, k, v, scale, offset=length - n)
     return out
+
+
+def _context_slots(meta: AttentionMetadata, i: int, block_size: int) -> torch.Tensor:
+    """Cache slots of row i's context in order, computed once per step for all layers."""
+    slots = meta.derived.get(("slots", i))
+    if slots is None:
+        length = meta.context_lens_host[i]
+        blocks = meta.block_tables[i, : -(-length // block_size)].long()
+        offsets = torch.arange(block_size, device=blocks.device)
+        slots = (blocks[:, None] * block_size + offsets).flatten()[:length]
+        meta.derived[("slots", i)] = slots
+    return slots
+
+
+def _decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """One query ([Hq, D]) over its context ([L, Hkv, D]); each K/V head serves its group of
+    query heads. A quarter of SDPA's host time on a CPU for one row."""
+    heads, dim = q.shape
+    kv_heads = k.shape[1]
+    qg = q.view(kv_heads, heads // kv_heads, dim) * scale  # [Hkv, G, D]
+    scores = torch.bmm(qg, k.permute(1, 2, 0))  # [Hkv, G, L]
+    return torch.bmm(scores.softmax(-1), v.transpose(0, 1)).view(heads, dim)
 
 
 def _host_starts(query_lens: list[int]) -> list[int]:

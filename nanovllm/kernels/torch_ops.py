@@ -9,6 +9,8 @@ import torch.nn.functional as F
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 and cast back before the weight."""
     dtype = x.dtype
+    if dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # the same in one op (CPU decode)
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
@@ -32,12 +34,16 @@ def apply_rotary(
     """Neox-style RoPE (rotate halves) of q [T, Hq, D] and k [T, Hkv, D] by position."""
     cos = cos_table[positions].unsqueeze(1).to(q.dtype)
     sin = sin_table[positions].unsqueeze(1).to(q.dtype)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    heads = q.shape[1]
+    qk = _rotate(torch.cat((q, k), dim=1), cos, sin)  # one pass over both: fewer host ops
+    return qk[:, :heads], qk[:, heads:]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each product rounded to x's dtype
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def qk_norm_rope(

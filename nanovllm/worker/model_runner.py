@@ -77,10 +77,12 @@ class ModelRunner:
                 )
         finally:
             torch.set_default_dtype(prev)
-        load_weights(self.model, source.tensors())
+        packed = config.weight_format == "packed"
+        forms = load_weights(self.model, source.tensors(quantized=packed), packed)
         self.model.eval()
-        log.info("loaded %s in %.1f s (%s on %s)", source.path.name,
-                 time.perf_counter() - start, config.dtype, self.device)
+        log.info("loaded %s in %.1f s (%s on %s; weights: %s)", source.path.name,
+                 time.perf_counter() - start, config.dtype, self.device,
+                 ", ".join(f"{n} {form}" for form, n in sorted(forms.items())))
         self.sampler = StepSampler(
             self.kernels, eos_token_ids, model_config.vocab_size, self.device
         )

@@ -88,33 +88,13 @@ def test_gguf_matches_transformers(tiny_model, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     path = write_model_gguf(tmp_path / "tiny.gguf", cfg, hf.state_dict(),
                             (tiny_model / "tokenizer.json").read_text())
-    llm = LLM(path, device="cpu", block_size=4, num_kv_blocks=16)
+    llm = LLM(path, device="cpu", block_size=4, num_kv_blocks=16, weight_format="dense")
     prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 200, 100]]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                         use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, prompt, 6)
     assert llm.engine.eos_token_ids == {2}
-
-
-@pytest.fixture(scope="module")
-def wide_llama() -> tuple[dict, dict]:
-    """(config, state dict) of a random 2-layer Llama with rows 256 or 512 wide: K-quants pack
-    256 weights a block."""
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=2, pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn_like(p)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
-    return config.to_dict(), model.state_dict()
 
 
 def write_wide_llama(path, wide_llama, qtypes, alignment=None) -> str:
@@ -158,7 +138,7 @@ def test_mixed_types_match_transformers(wide_llama, tmp_path):
     assert_same_table(file, gguf.GGUFReader(path))
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="mixed.gguf",
                                               dtype=torch.float32).eval()
-    llm = LLM(path, device="cpu", block_size=4, num_kv_blocks=16)
+    llm = LLM(path, device="cpu", block_size=4, num_kv_blocks=16, weight_format="dense")
     prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 200, 100]]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):

@@ -20,7 +20,7 @@ from tests.server.harness import (
 def server(tmp_path_factory):
     flags = (
         f"--max-model-len {MAX_MODEL_LEN} --max-num-seqs {MAX_NUM_SEQS} --max-num-waiting 128 "
-        f"--max-request-bytes {MAX_REQUEST_BYTES} --kv-cache-gib 0.5"
+        f"--max-request-bytes {MAX_REQUEST_BYTES} --kv-cache-gib 0.5 --weight-format dense"
     )
     srv = start_server(tmp_path_factory, "server", *flags.split())
     yield srv

@@ -315,12 +315,14 @@ def post(srv: ServerProcess, path: str, body: dict) -> dict:
 @functools.cache
 def offline_llm():
     """The default model as `LLM` in this test process, with the session server's settings
-    (CPU, max_model_len, max_num_seqs): what a request over HTTP must equal offline. Loaded
-    once per process; a small KV cache, as these references are a few short prompts."""
+    (CPU, max_model_len, max_num_seqs, dense weights): what a request over HTTP must equal
+    offline. Loaded once per process; a small KV cache, as these references are a few short
+    prompts. (Packed weights round activations to bfloat16, so a prefill split otherwise by
+    the prefix cache can move a logprob by ~1e-3; dense float32 keeps them equal to 1e-4.)"""
     from nanovllm import LLM
 
     return LLM(device="cpu", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-               num_kv_blocks=128)
+               num_kv_blocks=128, weight_format="dense")
 
 
 def pause_front_end(srv: ServerProcess, seconds: float) -> None:

@@ -99,6 +99,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="seeds the sampling of requests that set no seed of their own")
     opt("num_threads", "--num-threads", "--threads", type=int, metavar="N",
         help="CPU: torch threads (default: torch's choice)")
+    opt("weight_format", choices=["auto", "packed", "dense"],
+        help="a GGUF file's 4/8-bit weights: packed (kept quantized, CPU kernels) or dense "
+        "(dequantized to --dtype); auto: packed on the CPU, dense on a GPU")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="show load progress and timings: the engine's INFO logs, timed")
 

@@ -2,25 +2,103 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.model.layers.quantized import (
+    QuantizedWeight,
+    int4_linear,
+    int8_linear,
+    int8_rows,
+    pack_int4,
+)
+
 
 class VocabEmbedding(nn.Module):
+    """Token embeddings. A quantized checkpoint table may stay quantized (finish_loading):
+    the rows a step looks up are dequantized as it runs."""
+
     def __init__(self, vocab_size: int, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
+        self.table: QuantizedWeight | None = None
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard: str | None = None) -> None:
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, "
+                             f"expected {tuple(param.shape)}")
+        if isinstance(loaded, QuantizedWeight):
+            self.table = loaded
+        else:
+            param.data.copy_(loaded)
+
+    def finish_loading(self, packed: bool) -> str:
+        if self.table is None:
+            return "dense"
+        if packed:
+            self.weight = nn.Parameter(torch.empty(0, self.weight.shape[1]), requires_grad=False)
+            return self.table.kind
+        self.weight.data.copy_(self.table.dequantize())
+        self.table = None
+        return "dense (dequantized)"
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return self.table.rows(input_ids).dequantize().to(torch.get_default_dtype())
         return F.embedding(input_ids, self.weight)
 
 
+# An 8-bit LM head with one scale per row is ~1% off in each logit, enough to flip a near
+# tie between the two likeliest tokens; each row's RESCORE_TOP likeliest are recomputed from
+# the file's Q8_0 blocks in float32 (~0.1 ms a row), so greedy picks what the dense model
+# picks (benchmarks/quant_accuracy.py measures both). 0 turns it off.
+RESCORE_TOP = 8
+
+
 class LMHead(nn.Module):
-    """Logits in float32 for the rows that sample; shares the embedding when tied."""
+    """Logits in float32 for the rows that sample; shares the embedding when tied. From a
+    quantized checkpoint it may stay quantized: 4-bit packed, or 8-bit with a scale per row
+    (its top logits recomputed exactly, see RESCORE_TOP)."""
 
     def __init__(self, vocab_size: int, dim: int, tied_to: VocabEmbedding | None = None) -> None:
         super().__init__()
+        self.tied_to = [tied_to] if tied_to is not None else []  # a list: not a submodule
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
+        self.table: QuantizedWeight | None = None
+        self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard: str | None = None) -> None:
+        VocabEmbedding.weight_loader(self, param, loaded, shard)  # the same checks
+
+    def finish_loading(self, packed: bool) -> str:
+        table = self.tied_to[0].table if self.tied_to else self.table
+        self.table = None
+        if self.tied_to:
+            self.weight = self.tied_to[0].weight  # the embedding's final form
+        if table is None:
+            return "dense"
+        if not packed:
+            if not self.tied_to:
+                self.weight.data.copy_(table.dequantize())
+            return "dense (dequantized)"
+        self.weight = nn.Parameter(torch.empty(0, table.shape[1]), requires_grad=False)
+        if table.kind == "q4":
+            self.int4 = pack_int4([table])
+            return "int4"
+        self.int8 = int8_rows(table)
+        self.table = table  # the exact blocks, for the top logits
+        return "int8 (a scale per row)"
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None:
+            return int4_linear(hidden, *self.int4)
+        if self.int8 is not None:
+            logits = int8_linear(hidden, *self.int8)
+            if RESCORE_TOP:
+                top = logits.topk(RESCORE_TOP, dim=-1).indices  # [B, k]
+                rows = self.table.rows(top.flatten()).dequantize().view(*top.shape, -1)
+                exact = (rows @ hidden.float()[..., None]).squeeze(-1)
+                logits.scatter_(-1, top, exact.to(logits.dtype))
+            return logits
         return F.linear(hidden, self.weight)  # model dtype; the sampler upcasts what it needs

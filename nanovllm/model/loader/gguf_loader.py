@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from nanovllm.core.errors import ModelLoadError
+from nanovllm.model.layers.quantized import QuantizedWeight, from_gguf_blocks
 from nanovllm.model.loader.gguf_file import GGUFFile
 
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -77,7 +78,11 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf(file: GGUFFile, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(
+    file: GGUFFile, cfg: dict, quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """The file's tensors under Hugging Face names, dense float32; with `quantized`, Q4_0,
+    Q4_1 and Q8_0 weights come as QuantizedWeight (their integers and scales as stored)."""
     llama = cfg["architectures"][0] == "LlamaForCausalLM"
     for t in file.tensors:
         base, _, suffix = t.name.rpartition(".")
@@ -87,6 +92,14 @@ def iter_gguf(file: GGUFFile, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
         elif base in GLOBAL_NAMES:
             name = f"{GLOBAL_NAMES[base]}.{suffix}"
         else:
+            continue
+        q = from_gguf_blocks(t.data, t.qtype.name) if quantized and t.data.ndim == 2 else None
+        if q is not None:
+            if llama and parts[-1] in ("attn_q", "attn_k"):
+                heads = cfg["num_attention_heads" if parts[-1] == "attn_q"
+                            else "num_key_value_heads"]
+                q = q.rows(torch.from_numpy(_unpermute(np.arange(q.shape[0]), heads)))
+            yield name, q
             continue
         if t.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             w = t.data.astype(np.float32)

@@ -36,11 +36,13 @@ class ModelSource:
     hf_config: dict
     gguf: GGUFFile | None  # for GGUF files
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint tensors under Hugging Face names; `quantized`: GGUF's 4- and 8-bit
+        weights as QuantizedWeight, not dequantized."""
         if self.gguf is not None:
             from nanovllm.model.loader.gguf_loader import iter_gguf
 
-            return iter_gguf(self.gguf, self.hf_config)
+            return iter_gguf(self.gguf, self.hf_config, quantized)
         return iter_safetensors(self.path)
 
 

@@ -1,15 +1,22 @@
+import collections
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from nanovllm.core.errors import ModelLoadError
+from nanovllm.model.layers.quantized import QuantizedWeight
 
 
-def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(
+    model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
+    packed: bool = False,
+) -> dict[str, int]:
     """Copy checkpoint tensors (Hugging Face names) into the model's parameters.
 
-    q/k/v and gate/up are stored apart in checkpoints and merged here.
+    q/k/v and gate/up are stored apart in checkpoints and merged here. Quantized tensors
+    (from GGUF files) stay quantized where the layer has a packed form and `packed` is set,
+    else they are dequantized. Returns how many weights took each form.
     """
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
@@ -29,6 +36,8 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             continue  # tensors the model does not use
         module = modules[name.rsplit(".", 1)[0]]
         loader = getattr(module, "weight_loader", None)
+        if isinstance(tensor, QuantizedWeight) and loader is None:
+            tensor = tensor.dequantize()
         try:
             if loader is not None:
                 loader(param, tensor, shard)
@@ -54,3 +63,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
         raise ModelLoadError(
             f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}"
         )
+    forms: collections.Counter[str] = collections.Counter()
+    for module in model.modules():
+        finish = getattr(module, "finish_loading", None)
+        if finish is not None:
+            forms[finish(packed)] += 1
+    return dict(forms)

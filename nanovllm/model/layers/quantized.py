@@ -1,0 +1,114 @@
+"""Weights that stay quantized on the CPU: GGUF's 4- and 8-bit blocks in forms torch's packed
+CPU kernels take, so a decode step reads ~4x fewer weight bytes than float32.
+
+A GGUF Q4_0 / Q4_1 block holds 32 weights as 4-bit values q in [0, 15] with an fp16 scale d
+(and, for Q4_1, an fp16 minimum m): w = d * (q - 8) for Q4_0, w = d * q + m = d * (q - 8) +
+(m + 8d) for Q4_1. Both are torch's int4 group form `(q - 8) * scale + zero` with groups of 32
+along the input dimension, which `_weight_int4pack_mm_for_cpu` multiplies in bfloat16 (scales
+and zeros rounded from the file's fp16 to bfloat16: see BENCHMARKS.md for what that costs).
+Q8_0 (w = d * q, q int8, 32 per block) keeps its int8 values and scales for the embedding
+lookup; as an LM head it is requantized to one scale per row for `_weight_int8pack_mm`.
+Other types are dequantized to a dense dtype at load (said in the log).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GROUP = 32  # weights per GGUF block, and per int4 group here
+Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES = 18, 20, 34  # bytes per block of 32 weights
+
+
+@dataclass
+class QuantizedWeight:
+    """An [N, K] weight as per-group integers: w[n, k] = scale[n, g] * (q[n, k] - offset) +
+    zero[n, g] with g = k // 32 (offset 8 for 4-bit values stored 0..15, 0 for int8)."""
+
+    kind: str  # "q4" (q uint8 in [0, 15]) | "q8" (q int8)
+    q: torch.Tensor  # [N, K]
+    scale: torch.Tensor  # [N, K // 32] float32
+    zero: torch.Tensor | None  # [N, K // 32] float32 ("q4"), None ("q8")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight the file means."""
+        n, k = self.q.shape
+        q = self.q.float().view(n, k // GROUP, GROUP)
+        if self.kind == "q4":
+            w = (q - 8) * self.scale[..., None] + self.zero[..., None]
+        else:
+            w = q * self.scale[..., None]
+        return w.view(n, k)
+
+    def rows(self, index: torch.Tensor | slice) -> "QuantizedWeight":
+        zero = None if self.zero is None else self.zero[index]
+        return QuantizedWeight(self.kind, self.q[index], self.scale[index], zero)
+
+
+def from_gguf_blocks(raw: np.ndarray, qtype_name: str) -> QuantizedWeight | None:
+    """The QuantizedWeight of a GGUF tensor's raw block rows ([N, K / 32 * block bytes],
+    uint8), or None for a type kept in no quantized form here."""
+    n = raw.shape[0]
+    if qtype_name == "Q8_0":
+        blocks = raw.reshape(n, -1, Q8_0_BYTES)
+        scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)
+        return QuantizedWeight("q8", torch.from_numpy(q), torch.from_numpy(scale), None)
+    if qtype_name not in ("Q4_0", "Q4_1"):
+        return None
+    size = Q4_0_BYTES if qtype_name == "Q4_0" else Q4_1_BYTES
+    blocks = raw.reshape(n, -1, size)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype_name == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d
+    else:
+        zero = np.zeros_like(d)
+    packed = blocks[..., size - 16 :]  # weight j in the low nibble of byte j, j + 16 in the high
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)
+    return QuantizedWeight("q4", torch.from_numpy(q), torch.from_numpy(d),
+                           torch.from_numpy(zero))
+
+
+def pack_int4(parts: list[QuantizedWeight]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack 4-bit parts along N into `_weight_int4pack_mm_for_cpu`'s operands: the packed
+    weight and the [K / 32, N, 2] bfloat16 scales-and-zeros."""
+    q = torch.cat([p.q for p in parts]).to(torch.int32)
+    scale = torch.cat([p.scale for p in parts])
+    zero = torch.cat([p.zero for p in parts])
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+    return packed, scales_zeros
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor
+                ) -> torch.Tensor:
+    """x W^T for a packed 4-bit W, computed in bfloat16 (the kernel's fast path), returned in
+    x's dtype."""
+    shape = x.shape
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.reshape(-1, shape[-1]).to(torch.bfloat16), packed, GROUP, scales_zeros
+    )
+    return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
+
+
+def int8_rows(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 weight requantized to int8 with one scale per row (`_weight_int8pack_mm`'s
+    form): the row's largest magnitude maps to 127."""
+    w = weight.dequantize()
+    # the kernel takes bfloat16 scales: round each up (by at most 2^-8) before quantizing,
+    # so every weight is within half a step of its int8 value and none passes 127
+    scale = (w.abs().amax(dim=1).clamp(min=1e-12) / 127 * (1 + 2**-8)).to(torch.bfloat16)
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    shape = x.shape
+    y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), q,
+                                          scales)
+    return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
