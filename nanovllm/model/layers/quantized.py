@@ -99,11 +99,16 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
 def int8_rows(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 weight requantized to int8 with one scale per row (`_weight_int8pack_mm`'s
     form): the row's largest magnitude maps to 127."""
-    w = weight.dequantize()
-    # the kernel takes bfloat16 scales: round each up (by at most 2^-8) before quantizing,
-    # so every weight is within half a step of its int8 value and none passes 127
-    scale = (w.abs().amax(dim=1).clamp(min=1e-12) / 127 * (1 + 2**-8)).to(torch.bfloat16)
-    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    n = weight.shape[0]
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(n, dtype=torch.bfloat16)
+    for start in range(0, n, 4096):  # a slice at a time: no float32 copy of the whole table
+        w = weight.rows(slice(start, start + 4096)).dequantize()
+        # the kernel takes bfloat16 scales: round each up (by at most 2^-8) before
+        # quantizing, so every weight is within half a step of its int8 value, none past 127
+        s = (w.abs().amax(dim=1).clamp(min=1e-12) / 127 * (1 + 2**-8)).to(torch.bfloat16)
+        q[start : start + 4096] = torch.round(w / s.float()[:, None]).clamp(-127, 127)
+        scale[start : start + 4096] = s
     return q, scale
 
 
