@@ -96,7 +96,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, off
     """Causal attention of n queries that sit at positions offset..offset+n-1 of k/v."""
     n, length = q.shape[0], k.shape[0]
     gqa = q.shape[1] != k.shape[1]  # SDPA shares each K/V head with its group: no copies
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, len, D]
+    # [1, H, len, D]: SDPA's fused CPU kernel takes only 4-D inputs (3x the math path's speed)
+    qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))
     if offset == 0:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=n > 1, scale=scale,
                                            enable_gqa=gqa)
@@ -105,7 +106,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, off
         mask = torch.arange(length, device=q.device)[None, :] <= pos_q[:, None]
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
                                            enable_gqa=gqa)
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 def _decode_batched(q, k_cache, v_cache, meta, scale, rows, starts, out) -> None:
