@@ -49,7 +49,7 @@ def main() -> None:
     hf = load_hf_model(path.parent, gguf_file=path.name)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     engines = {fmt: LLM(weight_format=fmt, max_num_seqs=16, max_model_len=1024)
-               for fmt in ("dense", "packed")}
+               for fmt in ("dense", "int4", "int4-bf16")}
     chats = [engines["dense"].engine.render_chat([{"role": "user", "content": q}])
              for q in HELD_OUT[: args.prompts]]
     outs = {fmt: [o.token_ids for o in llm.generate(chats, sp, use_tqdm=False)]

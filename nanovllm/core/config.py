@@ -40,8 +40,10 @@ class EngineConfig:
     overlap: bool | None = None  # schedule step N+1 while the GPU runs step N (None: on GPU)
     seed: int = 0
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
-    # how a GGUF file's 4/8-bit weights run: packed (kept quantized; CPU kernels) | dense
-    # (dequantized to dtype). auto: packed on a CPU, dense on a GPU (see BENCHMARKS.md)
+    # how a GGUF file's 4/8-bit weights run on a CPU: int4 (kept quantized: torch's int4 /
+    # int8 CPU kernels) | int4-bf16 (int4, plus a bfloat16 copy of the 4-bit projections
+    # for prefill steps: faster prompts, more memory) | dense (dequantized to dtype).
+    # auto: int4 on a CPU, dense on a GPU (see BENCHMARKS.md)
     weight_format: str = "auto"
 
     @classmethod
@@ -87,8 +89,8 @@ class EngineConfig:
             bad("attention_backend", "choose auto, triton or torch")
         if self.max_model_len is not None and self.max_model_len < 1:
             bad("max_model_len", "use a positive integer")
-        if self.weight_format not in ("auto", "packed", "dense"):
-            bad("weight_format", "choose auto, packed or dense")
+        if self.weight_format not in ("auto", "int4", "int4-bf16", "dense"):
+            bad("weight_format", "choose auto, int4, int4-bf16 or dense")
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ class ResolvedConfig:
     attention_backend: str  # "triton" | "torch"
     seed: int
     num_threads: int | None
-    weight_format: str = "dense"  # "packed" | "dense"
+    weight_format: str = "dense"  # "int4" | "int4-bf16" | "dense"
 
     @property
     def kv_cache_tokens(self) -> int:

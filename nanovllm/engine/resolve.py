@@ -76,13 +76,13 @@ def fit_kv_cache(resolved: ResolvedConfig, asked: EngineConfig, num_blocks: int)
 
 
 def _weight_format(name: str, device: str, quantized_file: bool) -> str:
-    if name == "packed" and device != "cpu":
+    if name in ("int4", "int4-bf16") and device != "cpu":
         raise ConfigError(
-            "weight_format='packed' runs on the CPU only (torch's packed int4/int8 CPU "
+            f"weight_format={name!r} runs on the CPU only (torch's packed int4/int8 CPU "
             "kernels); use weight_format='dense' or 'auto' on a GPU"
         )
     if name == "auto":
-        name = "packed" if device == "cpu" else "dense"
+        name = "int4" if device == "cpu" else "dense"
     return name if quantized_file else "dense"  # a float checkpoint has nothing to pack
 
 

@@ -77,8 +77,9 @@ class ModelRunner:
                 )
         finally:
             torch.set_default_dtype(prev)
-        packed = config.weight_format == "packed"
-        forms = load_weights(self.model, source.tensors(quantized=packed), packed)
+        quantized = config.weight_format != "dense"
+        forms = load_weights(self.model, source.tensors(quantized=quantized),
+                             config.weight_format)
         self.model.eval()
         log.info("loaded %s in %.1f s (%s on %s; weights: %s)", source.path.name,
                  time.perf_counter() - start, config.dtype, self.device,

@@ -1,8 +1,8 @@
-"""Packed GGUF weights on the CPU (weight_format="packed", the CPU default for GGUF files):
-their integers and scales are the file's (gguf.quants.dequantize gives the same floats), the
-int4 / int8 kernels multiply them as float64 does within bfloat16 rounding, every 4-bit
-projection really runs packed, and a model generates within a stated KL divergence of
-transformers' float32 run from the same file."""
+"""Packed GGUF weights on the CPU (weight_format "int4", the CPU default for GGUF files, and
+"int4-bf16"): their integers and scales are the file's (gguf.quants.dequantize gives the same
+floats), the int4 / int8 kernels multiply them as float64 does within bfloat16 rounding,
+every 4-bit projection really runs packed, and a model generates within a stated KL
+divergence of transformers' float32 run from the same file."""
 
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ from nanovllm.core.config import EngineConfig
 from nanovllm.core.errors import ConfigError
 from nanovllm.engine.resolve import resolve_config
 from nanovllm.model.config import ModelConfig
-from nanovllm.model.layers.linear import Linear, MergedLinear
+from nanovllm.model.layers.linear import BF16_FROM_ROWS, Linear, MergedLinear
 from nanovllm.model.layers.quantized import (
     from_gguf_blocks,
     int4_linear,
@@ -88,18 +88,33 @@ def test_a_merged_linear_packs_only_when_every_shard_is_4_bit():
     layer = MergedLinear(64, {"gate": 32, "up": 32})
     for name, part in parts.items():
         layer.weight_loader(layer.weight, part, name)
-    assert layer.finish_loading(packed=True) == "int4" and layer.weight.numel() == 0
+    assert layer.finish_loading("int4") == "int4" and layer.weight.numel() == 0
     dense = MergedLinear(64, {"gate": 32, "up": 32})
     dense.weight_loader(dense.weight, parts["gate"], "gate")
     dense.weight_loader(dense.weight, parts["up"].dequantize(), "up")  # one shard came dense
-    assert dense.finish_loading(packed=True) == "dense"
+    assert dense.finish_loading("int4-bf16") == "dense"
     x = torch.randn(2, 64)
     want = x.double() @ torch.cat([p.dequantize() for p in parts.values()]).double().t()
     assert torch.allclose(dense(x).double(), want, atol=1e-5)
     assert relative_error(layer(x), want) < 4 * BF16_EPS
+    both = MergedLinear(64, {"gate": 32, "up": 32})
+    for name, part in parts.items():
+        both.weight_loader(both.weight, part, name)
+    assert both.finish_loading("int4-bf16") == "int4 + bf16 copy"
+    calls = []
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+    for rows in (1, BF16_FROM_ROWS - 1, BF16_FROM_ROWS, 40):  # few rows: int4; many: bf16
+        x = torch.randn(rows, 64)
+        want = x.double() @ torch.cat([p.dequantize() for p in parts.values()]).double().t()
+        with torch.profiler.profile() as prof:
+            got = both(x)
+        calls.append(any(e.name == kernel.__name__ or "int4pack" in e.name
+                         for e in prof.events()))
+        assert relative_error(got, want) < 4 * BF16_EPS
+    assert calls == [True, True, False, False]
     unpacked = Linear(64, 32)
     unpacked.weight_loader(unpacked.weight, parts["gate"])
-    assert unpacked.finish_loading(packed=False) == "dense (dequantized)"
+    assert unpacked.finish_loading("dense") == "dense (dequantized)"
     assert torch.equal(unpacked.weight, parts["gate"].dequantize())
 
 
@@ -110,7 +125,9 @@ def test_weight_format_is_resolved_per_device_and_file():
         "num_key_value_heads": 1, "max_position_embeddings": 128,
     })
     cpu = EngineConfig(device="cpu")
-    assert resolve_config(cpu, model, quantized_file=True).weight_format == "packed"
+    assert resolve_config(cpu, model, quantized_file=True).weight_format == "int4"
+    both = EngineConfig(device="cpu", weight_format="int4-bf16")
+    assert resolve_config(both, model, quantized_file=True).weight_format == "int4-bf16"
     assert resolve_config(cpu, model, quantized_file=False).weight_format == "dense"
     dense = EngineConfig(device="cpu", weight_format="dense")
     assert resolve_config(dense, model, quantized_file=True).weight_format == "dense"
@@ -121,7 +138,7 @@ def test_weight_format_is_resolved_per_device_and_file():
     gpu = EngineConfig(device="cuda")
     assert resolve_config(gpu, model, quantized_file=True).weight_format == "dense"
     with pytest.raises(ConfigError, match="CPU only"):
-        resolve_config(EngineConfig(device="cuda", weight_format="packed"), model, True)
+        resolve_config(EngineConfig(device="cuda", weight_format="int4"), model, True)
 
 
 def full_logprobs(steps: list[dict[int, float]], vocab: int) -> torch.Tensor:
@@ -137,9 +154,11 @@ def full_logprobs(steps: list[dict[int, float]], vocab: int) -> torch.Tensor:
 MAX_MEAN_KL = 5e-3
 
 
-@pytest.mark.parametrize("qtypes", [[Q.Q4_0], [Q.Q4_1], [Q.Q4_1, Q.Q8_0, Q.Q4_0]],
-                         ids=["Q4_0", "Q4_1", "mixed"])
-def test_packed_model_generates_close_to_transformers(wide_llama, tmp_path, qtypes):
+@pytest.mark.parametrize("qtypes, weight_format", [
+    ([Q.Q4_0], "int4-bf16"), ([Q.Q4_1], "int4"), ([Q.Q4_1, Q.Q8_0, Q.Q4_0], "int4-bf16"),
+], ids=["Q4_0-int4-bf16", "Q4_1-int4", "mixed-int4-bf16"])
+def test_packed_model_generates_close_to_transformers(wide_llama, tmp_path, qtypes,
+                                                      weight_format):
     """Each projection runs packed (checked), and the next-token distribution at each greedy
     step is within MAX_MEAN_KL of transformers' float32 run from the same file."""
     from transformers import AutoModelForCausalLM
@@ -147,8 +166,8 @@ def test_packed_model_generates_close_to_transformers(wide_llama, tmp_path, qtyp
     path = write_wide_llama(tmp_path / "q.gguf", wide_llama, qtypes)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="q.gguf",
                                               dtype=torch.float32).eval()
-    llm = LLM(path, device="cpu", block_size=4, num_kv_blocks=32)
-    assert llm.engine.config.weight_format == "packed"
+    llm = LLM(path, device="cpu", block_size=4, num_kv_blocks=32, weight_format=weight_format)
+    assert llm.engine.config.weight_format == weight_format
     layers = llm.engine.runner.model.model.layers
     projections = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
     want_packed = [m for m in projections]

@@ -99,9 +99,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="seeds the sampling of requests that set no seed of their own")
     opt("num_threads", "--num-threads", "--threads", type=int, metavar="N",
         help="CPU: torch threads (default: torch's choice)")
-    opt("weight_format", choices=["auto", "packed", "dense"],
-        help="a GGUF file's 4/8-bit weights: packed (kept quantized, CPU kernels) or dense "
-        "(dequantized to --dtype); auto: packed on the CPU, dense on a GPU")
+    opt("weight_format", choices=["auto", "int4", "int4-bf16", "dense"],
+        help="a GGUF file's 4/8-bit weights on the CPU: int4 (kept quantized), int4-bf16 "
+        "(int4, plus a bfloat16 copy for prefill: ~1.8x faster prompts, ~200 MB more "
+        "memory) or dense (dequantized to --dtype); auto: int4 on the CPU, dense on a GPU")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="show load progress and timings: the engine's INFO logs, timed")
 

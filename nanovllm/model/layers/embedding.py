@@ -29,10 +29,10 @@ class VocabEmbedding(nn.Module):
         else:
             param.data.copy_(loaded)
 
-    def finish_loading(self, packed: bool) -> str:
+    def finish_loading(self, weight_format: str) -> str:
         if self.table is None:
             return "dense"
-        if packed:
+        if weight_format in ("int4", "int4-bf16"):
             self.weight = nn.Parameter(torch.empty(0, self.weight.shape[1]), requires_grad=False)
             return self.table.kind
         self.weight.data.copy_(self.table.dequantize())
@@ -71,7 +71,8 @@ class LMHead(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded, shard: str | None = None) -> None:
         VocabEmbedding.weight_loader(self, param, loaded, shard)  # the same checks
 
-    def finish_loading(self, packed: bool) -> str:
+    def finish_loading(self, weight_format: str) -> str:
+        packed = weight_format in ("int4", "int4-bf16")
         table = self.tied_to[0].table if self.tied_to else self.table
         self.table = None
         if self.tied_to:

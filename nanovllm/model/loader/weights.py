@@ -10,13 +10,14 @@ from nanovllm.model.layers.quantized import QuantizedWeight
 
 def load_weights(
     model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
-    packed: bool = False,
+    weight_format: str = "dense",
 ) -> dict[str, int]:
     """Copy checkpoint tensors (Hugging Face names) into the model's parameters.
 
     q/k/v and gate/up are stored apart in checkpoints and merged here. Quantized tensors
-    (from GGUF files) stay quantized where the layer has a packed form and `packed` is set,
-    else they are dequantized. Returns how many weights took each form.
+    (from GGUF files) stay quantized where the layer has a packed form and `weight_format`
+    is "int4" or "int4-bf16" (see EngineConfig), else they are dequantized. Returns how many
+    weights took each form.
     """
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
@@ -67,5 +68,5 @@ def load_weights(
     for module in model.modules():
         finish = getattr(module, "finish_loading", None)
         if finish is not None:
-            forms[finish(packed)] += 1
+            forms[finish(weight_format)] += 1
     return dict(forms)
