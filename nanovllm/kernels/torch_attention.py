@@ -37,6 +37,9 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Attention of q ([T, Hq, D]) over each row's cached context; returns [T, Hq, D]."""
+    if meta.query_lens_host == [1]:  # single-stream decode: no output buffer to fill
+        k, v = _context(k_cache, v_cache, meta, 0)
+        return _decode_one(q[0], k, v, scale)[None]
     out = torch.empty_like(q)
     starts = _host_starts(meta.query_lens_host)
     decode_rows = [i for i, n in enumerate(meta.query_lens_host) if n == 1]
@@ -49,10 +52,7 @@ def paged_attention(
         if i in done or n == 0:
             continue
         if n == 1:  # one decode token sees its whole context: no mask, two small matmuls
-            slots = _context_slots(meta, i, k_cache.shape[1])
-            heads, dim = k_cache.shape[2], k_cache.shape[3]
-            k = k_cache.view(-1, heads, dim).index_select(0, slots)
-            v = v_cache.view(-1, heads, dim).index_select(0, slots)
+            k, v = _context(k_cache, v_cache, meta, i)
             out[starts[i]] = _decode_one(q[starts[i]], k, v, scale)
             continue
         length = meta.context_lens_host[i]
@@ -61,6 +61,14 @@ def paged_attention(
         qi = q[starts[i] : starts[i] + n]
         out[starts[i] : starts[i] + n] = _attend(qi, k, v, scale, offset=length - n)
     return out
+
+
+def _context(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, i: int):
+    """Row i's cached K and V ([L, Hkv, D]), in context order."""
+    slots = _context_slots(meta, i, k_cache.shape[1])
+    heads, dim = k_cache.shape[2], k_cache.shape[3]
+    return (k_cache.view(-1, heads, dim).index_select(0, slots),
+            v_cache.view(-1, heads, dim).index_select(0, slots))
 
 
 def _context_slots(meta: AttentionMetadata, i: int, block_size: int) -> torch.Tensor:

@@ -31,18 +31,28 @@ def apply_rotary(
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style RoPE (rotate halves) of q [T, Hq, D] and k [T, Hkv, D] by position."""
-    cos = cos_table[positions].unsqueeze(1).to(q.dtype)
-    sin = sin_table[positions].unsqueeze(1).to(q.dtype)
+    """Neox-style RoPE (rotate halves) of q [T, Hq, D] and k [T, Hkv, D] by position.
+    `positions` None: the tables are already each token's rows (`rope_rows`)."""
+    if positions is not None:
+        cos_table, sin_table = rope_rows(positions, cos_table, sin_table, q.dtype)
+    cos, sin = cos_table, sin_table
     heads = q.shape[1]
     qk = _rotate(torch.cat((q, k), dim=1), cos, sin)  # one pass over both: fewer host ops
     return qk[:, :heads], qk[:, heads:]
 
 
+def rope_rows(positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's cos / sin over the whole head dim ([T, 1, D], both halves), in `dtype`:
+    what every layer's RoPE multiplies by (RotaryEmbedding computes it once per step)."""
+    cos = cos_table[positions].unsqueeze(1).to(dtype)
+    sin = sin_table[positions].unsqueeze(1).to(dtype)
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each product rounded to x's dtype
     x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 

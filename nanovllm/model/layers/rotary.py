@@ -5,6 +5,7 @@ from torch import nn
 
 from nanovllm.core.errors import ModelLoadError
 from nanovllm.kernels import Kernels
+from nanovllm.kernels.torch_ops import rope_rows
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -41,10 +42,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
         self.kernels = kernels
+        self._rows_for: torch.Tensor | None = None  # the positions of the last step's rows
+        self._rows: tuple[torch.Tensor, torch.Tensor] = ()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
         """RoPE on q [T, Hq, D] and k [T, Hkv, D], after the per-head RMSNorms of Qwen3
         when given (the Triton kernel does both in one pass, in place on q and k)."""
         norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        if self.kernels.ops == "torch":  # each token's rows once per step, not per layer
+            if positions is not self._rows_for:
+                self._rows_for = positions
+                self._rows = rope_rows(positions, self.cos, self.sin, q.dtype)
+            return self.kernels.qk_norm_rope(q, k, None, *self._rows, *norms)
         return self.kernels.qk_norm_rope(q, k, positions, self.cos, self.sin, *norms)
