@@ -23,6 +23,7 @@ from nanovllm.model.layers.quantized import (
     int8_rows,
     pack_int4,
 )
+from tests.gguf_support import random_k_quant
 from tests.model.test_gguf_loader import write_wide_llama
 
 BF16_EPS = 2.0**-8
@@ -44,6 +45,20 @@ def test_blocks_hold_what_gguf_dequantizes(qtype):
     assert np.array_equal(w.dequantize().numpy(), dequantize(raw, qtype))
     rows = torch.tensor([5, 0, 47])
     assert np.array_equal(w.rows(rows).dequantize().numpy(), dequantize(raw, qtype)[[5, 0, 47]])
+
+
+def test_q4_k_groups_hold_what_gguf_dequantizes():
+    """Q4_K (llama.cpp's Q4_K_M files): 6-bit scales and mins of each group of 32 under a
+    super-block's fp16 pair, mapped onto the int4 form."""
+    raw = random_k_quant((48, 512), Q.Q4_K, np.random.default_rng(0))
+    w = from_gguf_blocks(raw, "Q4_K")
+    assert w.kind == "q4" and tuple(w.shape) == (48, 512) and w.scale.shape == (48, 16)
+    np.testing.assert_allclose(w.dequantize().numpy(), dequantize(raw, Q.Q4_K),
+                               rtol=1e-6, atol=1e-7)
+    packed, scales_zeros = pack_int4([w])
+    x = torch.randn(3, 512)
+    want = x.double() @ torch.from_numpy(dequantize(raw, Q.Q4_K)).double().t()
+    assert relative_error(int4_linear(x, packed, scales_zeros), want) < 4 * BF16_EPS
 
 
 def test_other_types_have_no_packed_form():
@@ -155,8 +170,9 @@ MAX_MEAN_KL = 5e-3
 
 
 @pytest.mark.parametrize("qtypes, weight_format", [
-    ([Q.Q4_0], "int4-bf16"), ([Q.Q4_1], "int4"), ([Q.Q4_1, Q.Q8_0, Q.Q4_0], "int4-bf16"),
-], ids=["Q4_0-int4-bf16", "Q4_1-int4", "mixed-int4-bf16"])
+    ([Q.Q4_0], "int4-bf16"), ([Q.Q4_1], "int4"), ([Q.Q4_K], "int4"),
+    ([Q.Q4_1, Q.Q8_0, Q.Q4_0], "int4-bf16"),
+], ids=["Q4_0-int4-bf16", "Q4_1-int4", "Q4_K-int4", "mixed-int4-bf16"])
 def test_packed_model_generates_close_to_transformers(wide_llama, tmp_path, qtypes,
                                                       weight_format):
     """Each projection runs packed (checked), and the next-token distribution at each greedy

@@ -6,8 +6,9 @@ A GGUF Q4_0 / Q4_1 block holds 32 weights as 4-bit values q in [0, 15] with an f
 (m + 8d) for Q4_1. Both are torch's int4 group form `(q - 8) * scale + zero` with groups of 32
 along the input dimension, which `_weight_int4pack_mm_for_cpu` multiplies in bfloat16 (scales
 and zeros rounded from the file's fp16 to bfloat16: see BENCHMARKS.md for what that costs).
-Q8_0 (w = d * q, q int8, 32 per block) keeps its int8 values and scales for the embedding
-lookup; as an LM head it is requantized to one scale per row for `_weight_int8pack_mm`.
+Q4_K's groups of 32 (a 6-bit scale and min under a super-block's fp16 pair) map onto the same
+int4 form. Q8_0 (w = d * q, q int8, 32 per block) keeps its int8 values and scales for the
+embedding lookup; as an LM head it is requantized to one scale per row for `_weight_int8pack_mm`.
 Other types are dequantized to a dense dtype at load (said in the log).
 """
 
@@ -18,6 +19,7 @@ import torch
 
 GROUP = 32  # weights per GGUF block, and per int4 group here
 Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES = 18, 20, 34  # bytes per block of 32 weights
+Q4_K_BYTES = 144  # bytes per super-block of 256 weights (8 groups of 32)
 
 
 @dataclass
@@ -58,6 +60,8 @@ def from_gguf_blocks(raw: np.ndarray, qtype_name: str) -> QuantizedWeight | None
         scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
         q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)
         return QuantizedWeight("q8", torch.from_numpy(q), torch.from_numpy(scale), None)
+    if qtype_name == "Q4_K":
+        return _q4_k(raw)
     if qtype_name not in ("Q4_0", "Q4_1"):
         return None
     size = Q4_0_BYTES if qtype_name == "Q4_0" else Q4_1_BYTES
@@ -72,6 +76,29 @@ def from_gguf_blocks(raw: np.ndarray, qtype_name: str) -> QuantizedWeight | None
     q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)
     return QuantizedWeight("q4", torch.from_numpy(q), torch.from_numpy(d),
                            torch.from_numpy(zero))
+
+
+def _q4_k(raw: np.ndarray) -> QuantizedWeight:
+    """Q4_K: super-blocks of 256 weights, an fp16 scale d and min dmin, and for each of the 8
+    groups of 32 a 6-bit scale s and min m: w = d*s*q - dmin*m, i.e. the int4 form with
+    scale d*s and zero 8*d*s - dmin*m (one more float32 rounding than llama.cpp's)."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, Q4_K_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    # 12 bytes hold 8 six-bit scales and 8 six-bit mins: bytes 0-3 scales 0-3 (low 6 bits)
+    # and the high 2 bits of scales 4-7; bytes 4-7 the same for the mins; bytes 8-11 the low
+    # 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble)
+    a, b, c = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
+    scale = d[..., None] * sc.astype(np.float32)  # [N, blocks, 8]
+    zero = 8 * scale - dmin[..., None] * mn.astype(np.float32)
+    # 4 runs of 32 bytes: low nibbles are group 2j, high nibbles group 2j + 1
+    qs = blocks[..., 16:].reshape(n, -1, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1)
+    return QuantizedWeight("q4", torch.from_numpy(q), torch.from_numpy(scale.reshape(n, -1)),
+                           torch.from_numpy(zero.reshape(n, -1)))
 
 
 def pack_int4(parts: list[QuantizedWeight]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,7 +82,7 @@ def iter_gguf(
     file: GGUFFile, cfg: dict, quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """The file's tensors under Hugging Face names, dense float32; with `quantized`, Q4_0,
-    Q4_1 and Q8_0 weights come as QuantizedWeight (their integers and scales as stored)."""
+    Q4_1, Q4_K and Q8_0 weights come as QuantizedWeight (integers and scales as stored)."""
     llama = cfg["architectures"][0] == "LlamaForCausalLM"
     for t in file.tensors:
         base, _, suffix = t.name.rpartition(".")
