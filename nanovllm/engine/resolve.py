@@ -82,7 +82,7 @@ def _weight_format(name: str, device: str, quantized_file: bool) -> str:
             "kernels); use weight_format='dense' or 'auto' on a GPU"
         )
     if name == "auto":
-        name = "int4" if device == "cpu" else "dense"
+        name = "int4-bf16" if device == "cpu" else "dense"
     return name if quantized_file else "dense"  # a float checkpoint has nothing to pack
 
 

@@ -127,7 +127,7 @@ MAX_PACKED_MEAN_KL = 5e-3
 
 def test_packed_weights_stay_within_the_stated_kl(llm, hf_model, chat_ids):
     packed = LLM(max_num_seqs=8, max_model_len=1024)
-    assert packed.engine.config.weight_format == "int4"
+    assert packed.engine.config.weight_format == "int4-bf16"
     dense_outs = llm.generate(chat_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
                               use_tqdm=False)
     kls = []

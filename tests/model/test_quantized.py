@@ -1,5 +1,5 @@
-"""Packed GGUF weights on the CPU (weight_format "int4", the CPU default for GGUF files, and
-"int4-bf16"): their integers and scales are the file's (gguf.quants.dequantize gives the same
+"""Packed GGUF weights on the CPU (weight_format "int4", and "int4-bf16", the CPU default for
+GGUF files): their integers and scales are the file's (gguf.quants.dequantize gives the same
 floats), the int4 / int8 kernels multiply them as float64 does within bfloat16 rounding,
 every 4-bit projection really runs packed, and a model generates within a stated KL
 divergence of transformers' float32 run from the same file."""
@@ -140,9 +140,9 @@ def test_weight_format_is_resolved_per_device_and_file():
         "num_key_value_heads": 1, "max_position_embeddings": 128,
     })
     cpu = EngineConfig(device="cpu")
-    assert resolve_config(cpu, model, quantized_file=True).weight_format == "int4"
-    both = EngineConfig(device="cpu", weight_format="int4-bf16")
-    assert resolve_config(both, model, quantized_file=True).weight_format == "int4-bf16"
+    assert resolve_config(cpu, model, quantized_file=True).weight_format == "int4-bf16"
+    int4 = EngineConfig(device="cpu", weight_format="int4")
+    assert resolve_config(int4, model, quantized_file=True).weight_format == "int4"
     assert resolve_config(cpu, model, quantized_file=False).weight_format == "dense"
     dense = EngineConfig(device="cpu", weight_format="dense")
     assert resolve_config(dense, model, quantized_file=True).weight_format == "dense"

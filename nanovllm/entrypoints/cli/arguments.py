@@ -102,7 +102,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     opt("weight_format", choices=["auto", "int4", "int4-bf16", "dense"],
         help="a GGUF file's 4/8-bit weights on the CPU: int4 (kept quantized), int4-bf16 "
         "(int4, plus a bfloat16 copy for prefill: ~1.8x faster prompts, ~200 MB more "
-        "memory) or dense (dequantized to --dtype); auto: int4 on the CPU, dense on a GPU")
+        "memory) or dense (dequantized to --dtype); auto: int4-bf16 on the CPU, dense on a "
+        "GPU")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="show load progress and timings: the engine's INFO logs, timed")
 

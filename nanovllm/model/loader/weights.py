@@ -1,4 +1,6 @@
 import collections
+import ctypes
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -69,4 +71,17 @@ def load_weights(
         finish = getattr(module, "finish_loading", None)
         if finish is not None:
             forms[finish(weight_format)] += 1
+            if weight_format != "dense":
+                _return_freed_memory()
     return dict(forms)
+
+
+def _return_freed_memory() -> None:
+    """Packing a weight frees float32 temporaries of several MB; glibc keeps such freed heap
+    pages resident (its mmap threshold rises after the first large free), so a load could end
+    600 MB larger one run than the next. Hand them back to the OS after each layer."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing kept back to return
+            pass
