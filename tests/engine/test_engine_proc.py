@@ -58,6 +58,8 @@ def collect(conn, ids, until_done=True, timeout=60.0):
                 open_.discard(rid)
             case Outputs(deltas=deltas_):
                 for d in deltas_:
+                    if d.request_id not in deltas:  # e.g. a step of one aborted meanwhile
+                        continue
                     deltas[d.request_id].append(d)
                     if d.finish_reason is not None:
                         open_.discard(d.request_id)
