@@ -22,13 +22,6 @@ def store_kv(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    blocks = cache[block_table[:num_blocks].long()]  # [nb, bs, H, D]
-    return blocks.flatten(0, 1)[:length]
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -51,15 +44,12 @@ def paged_attention(
     for i, n in enumerate(meta.query_lens_host):
         if i in done or n == 0:
             continue
+        k, v = _context(k_cache, v_cache, meta, i)
         if n == 1:  # one decode token sees its whole context: no mask, two small matmuls
-            k, v = _context(k_cache, v_cache, meta, i)
             out[starts[i]] = _decode_one(q[starts[i]], k, v, scale)
             continue
-        length = meta.context_lens_host[i]
-        k = _gather(k_cache, meta.block_tables[i], length)
-        v = _gather(v_cache, meta.block_tables[i], length)
         qi = q[starts[i] : starts[i] + n]
-        out[starts[i] : starts[i] + n] = _attend(qi, k, v, scale, offset=length - n)
+        out[starts[i] : starts[i] + n] = _attend(qi, k, v, scale, offset=k.shape[0] - n)
     return out
 
 
@@ -72,7 +62,8 @@ def _context(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetada
 
 
 def _context_slots(meta: AttentionMetadata, i: int, block_size: int) -> torch.Tensor:
-    """Cache slots of row i's context in order, computed once per step for all layers."""
+    """Cache slots of row i's context in order, computed once per step for all layers
+    (`meta.derived`)."""
     slots = meta.derived.get(("slots", i))
     if slots is None:
         length = meta.context_lens_host[i]

@@ -33,9 +33,9 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style RoPE (rotate halves) of q [T, Hq, D] and k [T, Hkv, D] by position.
     `positions` None: the tables are already each token's rows (`rope_rows`)."""
-    if positions is not None:
-        cos_table, sin_table = rope_rows(positions, cos_table, sin_table, q.dtype)
     cos, sin = cos_table, sin_table
+    if positions is not None:
+        cos, sin = rope_rows(positions, cos_table, sin_table, q.dtype)
     heads = q.shape[1]
     qk = _rotate(torch.cat((q, k), dim=1), cos, sin)  # one pass over both: fewer host ops
     return qk[:, :heads], qk[:, heads:]

@@ -21,13 +21,7 @@ class VocabEmbedding(nn.Module):
         self.table: QuantizedWeight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded, shard: str | None = None) -> None:
-        if tuple(loaded.shape) != tuple(param.shape):
-            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, "
-                             f"expected {tuple(param.shape)}")
-        if isinstance(loaded, QuantizedWeight):
-            self.table = loaded
-        else:
-            param.data.copy_(loaded)
+        self.table = _load_table(param, loaded)
 
     def finish_loading(self, weight_format: str) -> str:
         if self.table is None:
@@ -69,7 +63,7 @@ class LMHead(nn.Module):
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded, shard: str | None = None) -> None:
-        VocabEmbedding.weight_loader(self, param, loaded, shard)  # the same checks
+        self.table = _load_table(param, loaded)
 
     def finish_loading(self, weight_format: str) -> str:
         packed = weight_format in ("int4", "int4-bf16")
@@ -103,3 +97,15 @@ class LMHead(nn.Module):
                 logits.scatter_(-1, top, exact.to(logits.dtype))
             return logits
         return F.linear(hidden, self.weight)  # model dtype; the sampler upcasts what it needs
+
+
+def _load_table(param: nn.Parameter, loaded) -> QuantizedWeight | None:
+    """A [vocab, dim] checkpoint tensor: a quantized one is kept (returned) for
+    finish_loading; a dense one is copied into `param`."""
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, "
+                         f"expected {tuple(param.shape)}")
+    if isinstance(loaded, QuantizedWeight):
+        return loaded
+    param.data.copy_(loaded)
+    return None

@@ -59,7 +59,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            if self.bf16 is not None and x.numel() >= BF16_FROM_ROWS * x.shape[-1]:
+            if self.bf16 is not None and x.shape[0] >= BF16_FROM_ROWS:  # x: [T, K]
                 y = F.linear(x.to(torch.bfloat16), self.bf16).to(x.dtype)
             else:
                 y = int4_linear(x, *self.packed)

@@ -114,17 +114,11 @@ def pack_int4(parts: list[QuantizedWeight]) -> tuple[torch.Tensor, torch.Tensor]
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor
                 ) -> torch.Tensor:
-    """x W^T for a packed 4-bit W, computed in bfloat16 (the kernel's fast path), returned in
-    x's dtype."""
-    if x.dim() == 2:  # the model's case: no reshapes (each op is host time in a decode step)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), packed, GROUP, scales_zeros)
-        return y.to(x.dtype)
-    shape = x.shape
+    """x W^T for x [T, K] (the model's activations are 2-D) and a packed 4-bit W, computed in
+    bfloat16 (the kernel's fast path), returned in x's dtype."""
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x.reshape(-1, shape[-1]).to(torch.bfloat16), packed, GROUP, scales_zeros
-    )
-    return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
+        x.to(torch.bfloat16), packed, GROUP, scales_zeros)
+    return y.to(x.dtype)
 
 
 def int8_rows(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +138,5 @@ def int8_rows(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    shape = x.shape
-    y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), q,
-                                          scales)
-    return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
+    """x W^T for x [T, K] and an int8 W with a scale per row (`int8_rows`), in bfloat16."""
+    return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scales).to(x.dtype)

@@ -1,5 +1,6 @@
 import collections
 import ctypes
+import functools
 import sys
 from collections.abc import Iterable
 
@@ -80,8 +81,16 @@ def _return_freed_memory() -> None:
     """Packing a weight frees float32 temporaries of several MB; glibc keeps such freed heap
     pages resident (its mmap threshold rises after the first large free), so a load could end
     600 MB larger one run than the next. Hand them back to the OS after each layer."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc (musl): nothing kept back to return
-            pass
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl): nothing kept back to return
+        return None
