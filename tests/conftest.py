@@ -5,11 +5,14 @@
   so a run without it stops at start-up; elsewhere Triton tests skip, saying why.
 - GPU: a test that needs CUDA is marked `gpu` (a CUDA parametrization too: the `device` and
   `triton_device` fixtures mark theirs); without CUDA this hook skips it, for one reason.
+- Browser: a test that opens a page in headless Chromium is marked `browser`; without Debian's
+  `chromium` on PATH this hook skips it.
 - Tiny random models in Hugging Face layout (tests/support.py) and transformers' model of
   each, the reference of every engine test.
 """
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,6 +45,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if not HAS_CUDA and item.get_closest_marker("gpu"):
         pytest.skip("marked gpu: needs a CUDA GPU")
+    if item.get_closest_marker("browser") and not shutil.which("chromium"):
+        pytest.skip("marked browser: needs Debian's chromium on PATH (apt-get install chromium)")
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

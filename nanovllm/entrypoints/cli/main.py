@@ -16,6 +16,7 @@ from nanovllm.entrypoints.cli.arguments import (
 from nanovllm.entrypoints.cli.chat import cmd_chat
 from nanovllm.entrypoints.cli.generate import add_prompt_args, cmd_generate
 from nanovllm.entrypoints.cli.serve import add_server_args, cmd_serve
+from nanovllm.entrypoints.cli.trace import add_trace_args, cmd_trace
 
 EXAMPLES = """\
 examples:
@@ -23,6 +24,7 @@ examples:
   echo "Once upon a time" | nanovllm generate - --raw --max-tokens 64
   nanovllm chat --system "You are terse."
   nanovllm serve --port 8000
+  nanovllm trace run.jsonl -o run.html --png run.png
 
 Without --model the default model (SmolLM2-135M-Instruct) runs. Bad input exits with
 status 2 and one line "error: ..."; Ctrl-C exits with status 130."""
@@ -64,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
+    trace = sub.add_parser(
+        "trace", formatter_class=HelpFormatter, help="draw a step trace as an HTML page",
+        description="Draw a step trace (LLM(trace=FILE), serve --trace FILE) as one "
+        "self-contained HTML page: totals, tokens, queues and KV use over time, a lane per "
+        "request.",
+    )
+    add_trace_args(trace)
+    trace.set_defaults(func=cmd_trace, verbose=False)
     return parser
 
 
