@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from nanovllm.core.errors import ConfigError
 
 POLICIES = ("fair", "prefill_first")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,19 @@ class EngineConfig:
     # None: 16 on a GPU with CUDA graphs (capped at max_num_seqs), else 1 (see BENCHMARKS).
     admission_batch: int | None = None
     admission_max_delay: int = 16
+    # fair: a prompt is admitted only while its whole remaining prompt plus the next
+    # admission_headroom tokens of every running sequence fit in the free KV blocks, so a
+    # burst queues instead of forcing preemptions a few steps later. 0: admit whenever the
+    # first chunk fits.
+    admission_headroom: int = 8
+    # KV beyond the device (docs/architecture.md, "KV tiers"): GiB of host memory for the
+    # blocks of preempted sequences (swap_space) and for cached prefixes evicted from the
+    # device (cpu_offload_gib). None: 4 GiB of swap on a GPU, none on a CPU.
+    swap_space: float | None = None
+    cpu_offload_gib: float = 0.0
+    # how a preempted sequence keeps its work: auto (swap when copying its blocks out and
+    # back costs less than recomputing them) | swap | recompute
+    preemption_mode: str = "auto"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     enforce_eager: bool = False  # no CUDA graphs
@@ -45,6 +59,7 @@ class EngineConfig:
     # for prefill steps: ~1.8x faster prompts, ~200 MB more) | dense (dequantized to dtype).
     # auto: int4-bf16 on a CPU, dense on a GPU (see BENCHMARKS.md)
     weight_format: str = "auto"
+    trace: str | None = None  # a file to record every step to (core/trace.py)
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":
@@ -67,6 +82,21 @@ class EngineConfig:
             bad("admission_batch", f"use an integer in [1, max_num_seqs={self.max_num_seqs}]")
         if self.admission_max_delay < 0:
             bad("admission_max_delay", "use a number of steps >= 0")
+        if self.admission_headroom < 0:
+            bad("admission_headroom", "use a number of tokens >= 0")
+        if self.swap_space is not None and self.swap_space < 0:
+            bad("swap_space", "use a size in GiB >= 0")
+        if self.cpu_offload_gib < 0:
+            bad("cpu_offload_gib", "use a size in GiB >= 0")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            bad("preemption_mode", f"choose one of {', '.join(PREEMPTION_MODES)}")
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            bad("preemption_mode", "swapping needs swap_space > 0 (GiB of host memory)")
+        if not self.enable_prefix_caching and (self.swap_space or self.cpu_offload_gib):
+            raise ConfigError(
+                "swap_space and cpu_offload_gib need enable_prefix_caching=True: the host "
+                "tier finds blocks by their content hash"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             bad(
                 "max_num_batched_tokens",
@@ -118,6 +148,11 @@ class ResolvedConfig:
     seed: int
     num_threads: int | None
     weight_format: str = "dense"  # "int4" | "int4-bf16" | "dense"
+    admission_headroom: int = 0
+    swap_space: float = 0.0
+    cpu_offload_gib: float = 0.0
+    preemption_mode: str = "auto"
+    num_host_blocks: int = 0  # swap_space + cpu_offload_gib in blocks, once the cache is sized
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -134,7 +169,10 @@ class ResolvedConfig:
             f"policy={self.scheduling_policy} admission_batch={self.admission_batch} "
             f"cuda_graphs={_on(self.cuda_graphs)} overlap={_on(self.overlap)} "
             f"kernels={self.kernels} attention={self.attention_backend} "
-            f"weights={self.weight_format}"
+            f"weights={self.weight_format} headroom={self.admission_headroom} "
+            f"host_kv={self.num_host_blocks}x{self.block_size} tokens "
+            f"(swap {self.swap_space:g} GiB, offload {self.cpu_offload_gib:g} GiB, "
+            f"preemption={self.preemption_mode})"
         )
 
 

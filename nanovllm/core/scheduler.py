@@ -17,11 +17,24 @@ class ScheduledBatch:
 
     seqs: list[Sequence]
     sampling_seqs: list[Sequence] = field(init=False)
+    # KV copies to run before the forward pass: out (device block, host slot) first, then
+    # in (host slot, device block); see BlockManager
+    copies_out: list[tuple[int, int]] = field(default_factory=list)
+    copies_in: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.sampling_seqs = [
             s for s in self.seqs if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens
         ]
+
+    def without_finished(self) -> "ScheduledBatch":
+        """The batch less the sequences that ended since it was made; its copies kept."""
+        return ScheduledBatch([s for s in self.seqs if not s.is_finished], self.copies_out,
+                              self.copies_in)
+
+    @property
+    def has_copies(self) -> bool:
+        return bool(self.copies_out or self.copies_in)
 
     @property
     def num_tokens(self) -> int:
@@ -29,6 +42,27 @@ class ScheduledBatch:
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
+
+
+@dataclass(frozen=True)
+class PreemptionCost:
+    """What preempting a sequence costs each way, from rates the runner measured at start-up
+    (worker/kv_cache.py, measure_preemption_cost): swapping copies its full blocks out and
+    back in; recomputing runs its tokens through the model again, a prefill whose
+    attention grows with the square of its length."""
+
+    block_bytes: int  # one block's K and V over all layers
+    copy_bytes_per_s: float  # device <-> host, each way
+    flops_per_token: float  # 2 x parameters
+    attention_flops: float  # x n^2 for an n-token causal prefill
+    flops_per_s: float  # the device's rate on the model's matmuls
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        return 2 * num_blocks * self.block_bytes / self.copy_bytes_per_s
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        n = num_tokens
+        return (self.flops_per_token * n + self.attention_flops * n * n) / self.flops_per_s
 
 
 class Scheduler:
@@ -41,7 +75,10 @@ class Scheduler:
       only the first prefill of a step may be chunked, and a prompt's whole block table
       is allocated before its first chunk.
     Under KV pressure the sequence at the tail of `running` is preempted: its blocks are
-    freed and it is recomputed later from its tokens, so no output is lost.
+    freed and it is recomputed later from its tokens, so no output is lost; with a host
+    tier (swap_space), its full blocks are first copied to host memory when that costs less
+    than recomputing them (`PreemptionCost`, preemption_mode), and copied back when it is
+    admitted again. Each step's preemptions, with their kind, are in `preempted`.
 
     Priorities (`Sequence.priority`, lower first): `waiting` is kept ordered by priority,
     ties by arrival; a preempted sequence goes back to the front of its priority class.
@@ -55,6 +92,11 @@ class Scheduler:
     prefill runs eagerly on the GPU, one of decodes only as a CUDA graph; admitting one
     prompt per freed row would make nearly every step of a long queue a prefill step.
 
+    Admission headroom (`fair`, admission_headroom > 0): a prompt waits while its whole
+    remaining prompt plus the next admission_headroom tokens of every running sequence do
+    not fit in the free blocks, unless nothing runs or it outranks running work; a burst
+    then queues instead of being admitted and preempted a few steps later.
+
     One class of ~350 lines: both policies, preemption, priorities and admission act on
     the same two queues and block tables, and their invariants (tests/core) bind them all.
     """
@@ -64,8 +106,13 @@ class Scheduler:
         config: ResolvedConfig,
         block_manager: BlockManager,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        cost: PreemptionCost | None = None,
     ) -> None:
         self.policy = config.scheduling_policy
+        self.admission_headroom = config.admission_headroom
+        self.swap = config.swap_space > 0 and config.preemption_mode != "recompute"
+        self.preemption_mode = config.preemption_mode
+        self.cost = cost
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.admission_batch = config.admission_batch
@@ -77,6 +124,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swaps = 0  # of those, by swap
+        self.preempted: list[tuple[Sequence, str]] = []  # this step's, with "swap"/"recompute"
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found there
 
@@ -121,15 +170,32 @@ class Scheduler:
         seq.stop_reason = stop_reason
         seq.num_scheduled_tokens = 0
         self.block_manager.free(seq)
+        if seq.host_blocks:
+            self.block_manager.release_host(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        bm = self.block_manager
+        holds = bm.swap_out(seq) if self._swap_pays(seq) else None
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        bm.free(seq)
+        if holds is not None:
+            seq.host_blocks = holds
+            self.num_swaps += 1
+        self.preempted.append((seq, "recompute" if holds is None else "swap"))
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(seq, front_of_class=True)
+
+    def _swap_pays(self, seq: Sequence) -> bool:
+        if not self.swap or not seq.block_hashes:
+            return False
+        if self.preemption_mode == "swap" or self.cost is None:
+            return True
+        blocks = len(seq.block_hashes)
+        tokens = blocks * self.block_manager.block_size
+        return self.cost.swap_seconds(blocks) < self.cost.recompute_seconds(tokens)
 
     def _admit_prefix(self, seq: Sequence) -> None:
         """Look a fresh waiting sequence up in the prefix cache (takes refs on hits)."""
@@ -141,6 +207,10 @@ class Scheduler:
             self.block_manager.free(seq)
 
     def _count_prefix(self, seq: Sequence) -> None:
+        """`seq` was admitted: count its prefix hits; a swapped sequence has its blocks
+        back and lets go of their host copies."""
+        if seq.host_blocks:
+            self.block_manager.release_host(seq)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
         self.prefix_queries += seq.num_tokens
@@ -149,9 +219,14 @@ class Scheduler:
     # ---- schedule -----------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
+        self.preempted = []
         if self.policy == "fair":
-            return self._schedule_fair()
-        return self._schedule_prefill_first()
+            batch = self._schedule_fair()
+        else:
+            batch = self._schedule_prefill_first()
+        if batch:  # copies of an empty step wait for the next one that runs
+            batch.copies_out, batch.copies_in = self.block_manager.take_copies()
+        return batch
 
     def _schedule_prefill_first(self) -> ScheduledBatch:
         bm = self.block_manager
@@ -245,6 +320,9 @@ class Scheduler:
                     s.num_scheduled_tokens for s in scheduled)
                 continue
             self._admit_prefix(seq)
+            if not self._has_headroom(seq):
+                self._undo_admit(seq)
+                break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not bm.allocate(seq, n):
                 self._undo_admit(seq)
@@ -277,6 +355,18 @@ class Scheduler:
         )
         self._held_steps = self._held_steps + 1 if hold else 0
         return hold
+
+    def _has_headroom(self, seq: Sequence) -> bool:
+        """Whether admitting `seq` leaves its whole prompt and every running sequence's next
+        admission_headroom tokens room in the free blocks (see the class docstring)."""
+        h = self.admission_headroom
+        if not h or not self.running or seq.priority < max(s.priority for s in self.running):
+            return True
+        bm = self.block_manager
+        need = bm.blocks_needed(seq, seq.num_tokens - seq.num_computed_tokens + h)
+        for s in self.running:
+            need += bm.blocks_needed(s, s.num_tokens - s.num_computed_tokens + h)
+        return need <= bm.num_free_blocks
 
     def _preempt_for(self, seq: Sequence, scheduled: list[Sequence]) -> bool:
         """Make room for waiting `seq` by preempting one running sequence of strictly worse

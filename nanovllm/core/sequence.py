@@ -50,6 +50,7 @@ class Sequence:
         self.num_cached_prefix_tokens = 0  # prefix-cache hits at the last admission
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the leading full blocks, in order
+        self.host_blocks: list[int] = []  # host-tier slots held while swapped out
         self.num_preemptions = 0
         self.logprobs: list[dict[int, float]] = []  # per output token, when asked for
 

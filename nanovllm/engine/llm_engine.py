@@ -11,6 +11,7 @@ from nanovllm.core.errors import ConfigError, InvalidRequestError
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import FinishReason, Sequence
+from nanovllm.core.trace import StepTrace
 from nanovllm.core.validation import as_token_ids, check_prompt
 from nanovllm.engine.output_processor import OutputProcessor, Request
 from nanovllm.engine.outputs import RequestOutput
@@ -50,14 +51,17 @@ class LLMEngine:
         )
         resolved = resolve_config(config, self.model_config, source.gguf is not None)
         self.runner = ModelRunner(resolved, source, self.model_config, self.eos_token_ids)
-        self.config = fit_kv_cache(resolved, config, self.runner.measure_kv_blocks())
+        self.config = fit_kv_cache(resolved, config, self.runner.measure_kv_blocks(),
+                                   self.runner.measure_host_blocks())
         self.runner.setup(self.config)
         log.info("engine: %s", self.config.summary())
         cfg = self.config
         self.block_manager = BlockManager(
-            cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching
+            cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.num_host_blocks,
+            offload=cfg.cpu_offload_gib > 0,
         )
-        self.scheduler = Scheduler(cfg, self.block_manager, self.eos_token_ids)
+        self.scheduler = Scheduler(cfg, self.block_manager, self.eos_token_ids,
+                                   self.runner.preemption_cost)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self.requests: dict[str, Request] = {}
         self._owner: dict[int, tuple[Request, int]] = {}  # seq id -> (request, completion index)
@@ -72,6 +76,9 @@ class LLMEngine:
         self.num_steps = 0
         self.times = StepTimes()
         self.timing = self.times.totals
+        self.trace: EngineTrace | None = None
+        if config.trace:
+            self.trace = EngineTrace(config.trace, self)
 
     @property
     def max_model_len(self) -> int:
@@ -141,6 +148,8 @@ class LLMEngine:
         for i, seq in enumerate(seqs):
             self._owner[seq.seq_id] = (req, i)
             self.scheduler.add(seq)
+            if self.trace:
+                self.trace.arrived(request_id, seq)
         return request_id
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
@@ -170,12 +179,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the outputs of the requests that moved (see
         add_request). With overlap, outputs trail the device by one step."""
+        trace = self.trace
+        start = trace.begin() if trace else 0.0
         with self.times("schedule"):
             batch = self.scheduler.schedule()
+        if trace:
+            trace.scheduled(batch)
         prev, self._inflight = self._inflight, None
         if prev is not None and not self._can_overlap(batch):
             self._resolve(prev)  # penalties read the previous token: it must be on the host
-            prev, batch = None, ScheduledBatch([s for s in batch.seqs if not s.is_finished])
+            prev, batch = None, batch.without_finished()
+        if not batch and batch.has_copies:
+            self.runner.copy_blocks(batch)  # every row ended: the copies still must run
         if batch:
             self._count(batch)
             with self.times("launch"):
@@ -189,7 +204,10 @@ class LLMEngine:
                 self._inflight = handle
             else:
                 self._resolve(handle)
-        return self._outputs()
+        outputs = self._outputs()
+        if trace:
+            trace.end(start)
+        return outputs
 
     def _can_overlap(self, batch: ScheduledBatch) -> bool:
         return self.overlap and not any(
@@ -223,6 +241,58 @@ class LLMEngine:
                 for seq in req.seqs:
                     del self._owner[seq.seq_id]
         return outputs
+
+
+class EngineTrace:
+    """The step trace (core/trace.py) of one engine: what each step ran, the queues, the
+    blocks of both tiers, preemptions, arrivals and finishes."""
+
+    def __init__(self, path: str, engine: LLMEngine) -> None:
+        cfg = engine.config
+        self.engine = engine
+        self.out = StepTrace(path)
+        self.out.header(block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
+                        num_host_blocks=cfg.num_host_blocks, max_num_seqs=cfg.max_num_seqs,
+                        max_num_batched_tokens=cfg.max_num_batched_tokens,
+                        config=dataclasses.asdict(cfg))
+        self.live: dict[int, tuple[str, Sequence]] = {}  # seq id -> (request id, sequence)
+        self.events = dict(engine.block_manager.events)
+        self.rows: list[dict] = []
+        self.preempted: list[dict] = []
+
+    def arrived(self, request_id: str, seq: Sequence) -> None:
+        self.live[seq.seq_id] = (request_id, seq)
+        self.out.arrived(request_id, seq.seq_id, seq.num_prompt_tokens, seq.priority)
+
+    def begin(self) -> float:
+        return self.out.now()
+
+    def scheduled(self, batch: ScheduledBatch) -> None:
+        """The rows as scheduled (advance clears the counts) and this step's preemptions."""
+        req = lambda seq: self.live.get(seq.seq_id, ("?", None))[0]
+        self.rows = [
+            {"req": req(s), "seq": s.seq_id, "tokens": s.num_scheduled_tokens,
+             "kind": "prefill" if s.in_prefill else "decode",
+             "start": s.num_computed_tokens, "total": s.num_tokens}
+            for s in batch.seqs
+        ]
+        self.preempted = [{"req": req(s), "seq": s.seq_id, "kind": kind}
+                          for s, kind in self.engine.scheduler.preempted]
+        self.usage = self.engine.block_manager.usage()
+
+    def end(self, start: float) -> None:
+        engine, out = self.engine, self.out
+        for seq_id, (request_id, seq) in list(self.live.items()):
+            if seq.is_finished:
+                out.finished(request_id, seq_id, str(seq.finish_reason), seq.num_output_tokens)
+                del self.live[seq_id]
+        events = engine.block_manager.events
+        delta = {k: v - self.events[k] for k, v in events.items()}
+        self.events = dict(events)
+        sched = engine.scheduler
+        out.step(start, out.now() - start, self.rows, len(sched.waiting), len(sched.running),
+                 self.usage, delta, self.preempted)
+        self.rows, self.preempted = [], []
 
 
 class StepTimes:

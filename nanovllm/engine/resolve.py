@@ -16,6 +16,7 @@ from nanovllm.core.errors import ConfigError
 from nanovllm.model.config import ModelConfig
 
 GPU_ADMISSION_BATCH = 16  # with CUDA graphs, see EngineConfig.admission_batch
+GPU_SWAP_GIB = 4.0  # EngineConfig.swap_space on a GPU
 
 
 def resolve_config(
@@ -56,12 +57,19 @@ def resolve_config(
         seed=config.seed,
         num_threads=config.num_threads,
         weight_format=_weight_format(config.weight_format, device, quantized_file),
+        admission_headroom=config.admission_headroom,
+        swap_space=(GPU_SWAP_GIB if cuda and config.enable_prefix_caching else 0.0)
+        if config.swap_space is None else config.swap_space,
+        cpu_offload_gib=config.cpu_offload_gib,
+        preemption_mode=config.preemption_mode,
     )
 
 
-def fit_kv_cache(resolved: ResolvedConfig, asked: EngineConfig, num_blocks: int) -> ResolvedConfig:
-    """The final config once the KV cache holds `num_blocks` blocks: an automatic
-    max_model_len shrinks to what the cache holds; an explicit one must fit."""
+def fit_kv_cache(resolved: ResolvedConfig, asked: EngineConfig, num_blocks: int,
+                 num_host_blocks: int = 0) -> ResolvedConfig:
+    """The final config once the KV cache holds `num_blocks` blocks (and the host tier
+    `num_host_blocks`): an automatic max_model_len shrinks to what the cache holds; an
+    explicit one must fit."""
     tokens = num_blocks * resolved.block_size
     max_model_len = resolved.max_model_len
     if asked.max_model_len is None:
@@ -72,7 +80,8 @@ def fit_kv_cache(resolved: ResolvedConfig, asked: EngineConfig, num_blocks: int)
             "least that many for one sequence; lower max_model_len or give the cache more "
             "memory (num_kv_blocks, kv_cache_gib, gpu_memory_utilization)"
         )
-    return dataclasses.replace(resolved, num_kv_blocks=num_blocks, max_model_len=max_model_len)
+    return dataclasses.replace(resolved, num_kv_blocks=num_blocks, max_model_len=max_model_len,
+                               num_host_blocks=num_host_blocks)
 
 
 def _weight_format(name: str, device: str, quantized_file: bool) -> str:

@@ -1,12 +1,17 @@
 """The paged KV cache of one rank: how many blocks fit, and the tensor that holds them.
 
 One tensor [2 (K, V), layers, blocks, block_size, kv_heads, head_dim]; each attention layer
-reads and writes its own [blocks, block_size, kv_heads, head_dim] views. This is where
-preemption by swap and a host-memory tier will live.
+reads and writes its own [blocks, block_size, kv_heads, head_dim] views.
+
+The host tier (`HostKVPool`): host memory (pinned on a GPU machine) for blocks copied out of
+the cache, for swapped sequences and for prefixes evicted from the device, one contiguous
+slot per block. The BlockManager decides what is copied where; `HostKVPool.copy` moves the
+bytes, on a side stream on a GPU.
 """
 
 import logging
 import mmap
+import time
 from collections.abc import Callable
 
 import torch
@@ -14,6 +19,7 @@ from torch import nn
 
 from nanovllm.core.config import ResolvedConfig
 from nanovllm.core.errors import ConfigError
+from nanovllm.core.scheduler import PreemptionCost
 from nanovllm.model.config import ModelConfig
 
 log = logging.getLogger("nanovllm")
@@ -92,3 +98,101 @@ class KVCache:
     def unbind(model: nn.Module) -> None:
         for attn in model.attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
+
+
+def plan_num_host_blocks(config: ResolvedConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    """Host-tier blocks in swap_space + cpu_offload_gib GiB."""
+    per_block = kv_bytes_per_token(model, dtype) * config.block_size
+    return int((config.swap_space + config.cpu_offload_gib) * 2**30 // per_block)
+
+
+class HostKVPool:
+    """Host slots for KV blocks: [slots, 2 (K, V), layers, block_size, kv_heads, head_dim],
+    so each block is one contiguous copy each way."""
+
+    def __init__(self, cache: KVCache, num_slots: int) -> None:
+        t = cache.tensor
+        self.cache = cache
+        self.device = t.device
+        shape = (num_slots, 2, t.shape[1], *t.shape[3:])
+        pin = t.device.type == "cuda"
+        self.tensor = torch.empty(shape, dtype=t.dtype, pin_memory=pin)
+        self.stream = torch.cuda.Stream(t.device) if pin else None
+
+    @property
+    def gib(self) -> float:
+        return self.tensor.numel() * self.tensor.element_size() / 2**30
+
+    def copy(self, out: list[tuple[int, int]], in_: list[tuple[int, int]]) -> None:
+        """Run one step's copies: every (device block -> host slot) first, then every
+        (host slot -> device block). On a GPU they run on a side stream that starts after
+        the work already queued (the steps that wrote those blocks) and that the step's
+        forward pass waits for; the host copies are asynchronous (pinned memory)."""
+        if not out and not in_:
+            return
+        if self.stream is None:
+            self._copy(out, in_)
+            return
+        main = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            self._copy(out, in_)
+        main.wait_stream(self.stream)
+
+    def _copy(self, out: list[tuple[int, int]], in_: list[tuple[int, int]]) -> None:
+        cache = self.cache.tensor  # [2, layers, blocks, ...]
+        if out:
+            blocks = torch.tensor([b for b, _ in out], device=self.device)
+            # [n, 2, layers, ...] on the device, then one contiguous copy per slot
+            staged = cache.index_select(2, blocks).movedim(2, 0).contiguous()
+            for i, (_, slot) in enumerate(out):
+                self.tensor[slot].copy_(staged[i], non_blocking=True)
+        if in_:
+            staged = torch.empty((len(in_), *self.tensor.shape[1:]), dtype=cache.dtype,
+                                 device=self.device)
+            for i, (slot, _) in enumerate(in_):
+                staged[i].copy_(self.tensor[slot], non_blocking=True)
+            blocks = torch.tensor([b for _, b in in_], device=self.device)
+            cache.index_copy_(2, blocks, staged.movedim(0, 2))
+
+
+def measure_preemption_cost(cache: KVCache, model: ModelConfig, max_tokens: int) -> PreemptionCost:
+    """The rates the scheduler weighs swap against recompute with, measured here: one
+    64 MiB copy device -> host -> device, and a matmul of the model's MLP shape at
+    `max_tokens` rows (a full prefill chunk)."""
+    t = cache.tensor
+    device, dtype = t.device, t.dtype
+    cuda = device.type == "cuda"
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    numel = 64 * 2**20 // t.element_size()
+    src = torch.empty(numel, dtype=dtype, device=device)
+    host = torch.empty(numel, dtype=dtype, pin_memory=cuda)
+    copy_s = timed(lambda: (host.copy_(src, non_blocking=True), src.copy_(host, non_blocking=True)))
+    rows = max(16, min(max_tokens, 4096))
+    x = torch.randn(rows, model.hidden_size, dtype=dtype, device=device)
+    w = torch.randn(model.hidden_size, model.intermediate_size, dtype=dtype, device=device)
+    mm_s = timed(lambda: x @ w)
+    per_block = t[:, :, 0].numel() * t.element_size()
+    h, q_width = model.hidden_size, model.num_attention_heads * model.head_dim
+    kv_width = model.num_key_value_heads * model.head_dim
+    params = model.num_hidden_layers * (h * (2 * q_width + 2 * kv_width)
+                                        + 3 * h * model.intermediate_size)
+    params += model.vocab_size * h  # the LM head (one row a sequence: an upper bound)
+    return PreemptionCost(
+        block_bytes=per_block,
+        copy_bytes_per_s=2 * numel * t.element_size() / copy_s,
+        flops_per_token=2.0 * params,
+        # QK^T and PV over a causal n x n triangle: 2 x 2 x n^2 / 2 x width, per layer
+        attention_flops=2.0 * model.num_hidden_layers * q_width,
+        flops_per_s=2.0 * rows * model.hidden_size * model.intermediate_size / mm_s,
+    )

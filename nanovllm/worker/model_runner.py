@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.core.config import ResolvedConfig
-from nanovllm.core.scheduler import ScheduledBatch
+from nanovllm.core.scheduler import PreemptionCost, ScheduledBatch
 from nanovllm.core.sequence import Sequence
 from nanovllm.kernels import select_kernels
 from nanovllm.model.config import ModelConfig
@@ -23,7 +23,13 @@ from nanovllm.model.loader.source import ModelSource
 from nanovllm.model.loader.weights import load_weights
 from nanovllm.model.models.registry import build_model
 from nanovllm.worker.inputs import InputBuffers, StepInputs
-from nanovllm.worker.kv_cache import KVCache, plan_num_blocks
+from nanovllm.worker.kv_cache import (
+    HostKVPool,
+    KVCache,
+    measure_preemption_cost,
+    plan_num_blocks,
+    plan_num_host_blocks,
+)
 from nanovllm.worker.sampling import StepSampler, logprob_dicts
 from nanovllm.worker.warmup import profile_activation_bytes, warm_up_kernels
 
@@ -88,6 +94,8 @@ class ModelRunner:
             self.kernels, eos_token_ids, model_config.vocab_size, self.device
         )
         self.kv_cache: KVCache | None = None
+        self.host_pool: HostKVPool | None = None
+        self.preemption_cost: PreemptionCost | None = None
         self.buffers: InputBuffers | None = None
         self.graphs = None
         self._token_ring: list[torch.Tensor] = []  # pinned homes of sampled tokens (CUDA)
@@ -101,6 +109,10 @@ class ModelRunner:
         return plan_num_blocks(self.config, self.model_config, self.dtype, self.device,
                                lambda: profile_activation_bytes(self))
 
+    def measure_host_blocks(self) -> int:
+        """How many blocks the host tier holds (swap_space + cpu_offload_gib)."""
+        return plan_num_host_blocks(self.config, self.model_config, self.dtype)
+
     @torch.inference_mode()
     def setup(self, config: ResolvedConfig) -> None:
         """Allocate the KV cache and the step buffers for the final `config`; on CUDA warm
@@ -112,6 +124,20 @@ class ModelRunner:
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s)",
                  cfg.num_kv_blocks, cfg.block_size, cfg.kv_cache_tokens, self.kv_cache.gib,
                  cfg.dtype)
+        if cfg.num_host_blocks:
+            self.host_pool = HostKVPool(self.kv_cache, cfg.num_host_blocks)
+            log.info("host KV tier: %d blocks, %.2f GiB (swap %g GiB, prefix offload %g GiB)",
+                     cfg.num_host_blocks, self.host_pool.gib, cfg.swap_space,
+                     cfg.cpu_offload_gib)
+            if cfg.swap_space and cfg.preemption_mode == "auto":
+                cost = measure_preemption_cost(self.kv_cache, self.model_config,
+                                               cfg.max_num_batched_tokens)
+                self.preemption_cost = cost
+                log.info("preemption cost: copies %.1f GB/s, matmuls %.1f TFLOP/s: a block "
+                         "of %d tokens swaps in %.3f ms, recomputes in %.3f ms",
+                         cost.copy_bytes_per_s / 1e9, cost.flops_per_s / 1e12, cfg.block_size,
+                         cost.swap_seconds(1) * 1e3,
+                         cost.recompute_seconds(cfg.block_size) * 1e3)
         self.buffers = InputBuffers(
             max(cfg.max_num_batched_tokens, cfg.max_num_seqs), cfg.max_num_seqs,
             -(-cfg.max_model_len // cfg.block_size), cfg.block_size, self.device,
@@ -141,7 +167,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
         """Queue one forward pass and sampling; tokens of `prev` still on the device are
-        read there (CPU/GPU overlap)."""
+        read there (CPU/GPU overlap). The batch's KV copies run first."""
+        self.copy_blocks(batch)
         seqs = batch.sampling_seqs
         pad = 0
         if self.graphs is not None and all(s.num_scheduled_tokens == 1 for s in batch.seqs):
@@ -153,6 +180,12 @@ class ModelRunner:
         if not seqs:
             return StepHandle([], {}, None, None, None)
         return self._handle(seqs, self.sampler.sample(logits, seqs, inputs.temperatures))
+
+    @torch.inference_mode()
+    def copy_blocks(self, batch: ScheduledBatch) -> None:
+        """The batch's copies between the KV cache and the host tier (HostKVPool.copy)."""
+        if batch.has_copies:
+            self.host_pool.copy(batch.copies_out, batch.copies_in)
 
     def logits(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass of prepared inputs: logits of the sampling rows."""

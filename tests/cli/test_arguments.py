@@ -16,8 +16,9 @@ COMMANDS = ("generate", "chat", "serve")
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    """The commands that run an engine (`nanovllm trace` only reads a file)."""
     action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
+    return {name: p for name, p in action.choices.items() if name in COMMANDS}
 
 
 def test_cli_help():

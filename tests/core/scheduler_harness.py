@@ -22,6 +22,10 @@ def make_scheduler(
     prefix_caching: bool = True,
     admission_batch: int = 1,
     admission_max_delay: int = 16,
+    admission_headroom: int = 0,
+    num_host_blocks: int = 0,
+    swap: bool = False,
+    offload: bool = False,
 ) -> Scheduler:
     config = ResolvedConfig(
         device="cpu",
@@ -43,8 +47,12 @@ def make_scheduler(
         attention_backend="torch",
         seed=0,
         num_threads=None,
+        admission_headroom=admission_headroom,
+        swap_space=1.0 if swap else 0.0,
+        num_host_blocks=num_host_blocks,
     )
-    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
+                      num_host_blocks=num_host_blocks, offload=offload)
     return Scheduler(config, bm, eos_token_ids={EOS})
 
 
@@ -58,7 +66,9 @@ class FakeEngine:
     the invariants of each step.
 
     The fake KV cache stores, in each slot, the token prefix whose last K/V lives there,
-    so a sequence reading a slot someone else wrote (a prefix hit) is checked exactly.
+    so a sequence reading a slot someone else wrote (a prefix hit) is checked exactly; the
+    host tier's slots hold copies of whole blocks, moved in the order the step's copies
+    say (out, then in), so a block swapped or offloaded and copied back is checked too.
     """
 
     def __init__(self, sched: Scheduler, next_token=default_token, overlap: bool = False) -> None:
@@ -67,6 +77,7 @@ class FakeEngine:
         self.overlap = overlap  # resolve each step's tokens one step later, as on a GPU
         self.inflight: tuple[list[Sequence], list[int]] | None = None
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.host: dict[int, list] = {}  # host slot -> the block's slots' contents
         self.seqs: list[Sequence] = []
         self.finished: set[int] = set()
 
@@ -82,6 +93,7 @@ class FakeEngine:
         before = list(sched.running)
         batch = sched.schedule()
         check_schedule(sched, batch, before)
+        self.copy(batch.copies_out, batch.copies_in)
         rows = [(s.seq_id, s.num_scheduled_tokens) for s in batch.seqs]
         on_device = {}
         if self.inflight is not None:
@@ -100,6 +112,14 @@ class FakeEngine:
             self.inflight = (sampling, tokens) if sampling else None
         self.check_after_step()
         return rows
+
+    def copy(self, out: list[tuple[int, int]], in_: list[tuple[int, int]]) -> None:
+        bs = self.sched.block_manager.block_size
+        for block, slot in out:
+            self.host[slot] = [self.kv.get((block, i)) for i in range(bs)]
+        for slot, block in in_:
+            for i, content in enumerate(self.host[slot]):
+                self.kv[(block, i)] = content
 
     def _forward(self, seqs: list[Sequence], on_device: dict[int, int]) -> None:
         bs = self.sched.block_manager.block_size

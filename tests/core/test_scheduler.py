@@ -289,6 +289,11 @@ def test_random_mix_of_requests_returns_every_block(data):
     priorities = data.draw(st.booleans(), label="priorities")
     admission_batch = data.draw(st.integers(1, max_num_seqs), label="admission_batch")
     admission_delay = data.draw(st.integers(0, 3), label="admission_max_delay")
+    headroom = data.draw(st.integers(0, 4), label="admission_headroom")
+    tier = data.draw(st.sampled_from(["none", "swap", "offload", "both"]), label="host tier")
+    if not prefix_caching:
+        tier = "none"
+    host_blocks = 0 if tier == "none" else data.draw(st.integers(1, 2 * per_seq), label="host")
     lengths = st.integers(1, max_len - 1)
     requests = data.draw(
         st.lists(  # (steps after the previous arrival, prompt length, shared prefix, max_tokens)
@@ -310,6 +315,10 @@ def test_random_mix_of_requests_returns_every_block(data):
         prefix_caching=prefix_caching,
         admission_batch=admission_batch,
         admission_max_delay=admission_delay,
+        admission_headroom=headroom,
+        num_host_blocks=host_blocks,
+        swap=tier in ("swap", "both"),
+        offload=tier in ("offload", "both"),
     )
     scripts: dict[int, list[int]] = {}  # what the fake model samples, per request
     eng = FakeEngine(sched, lambda seq: scripts[seq.seq_id][seq.num_output_tokens], overlap)
@@ -355,8 +364,11 @@ def test_random_mix_of_requests_returns_every_block(data):
         else:  # preemption and prefix hits change nothing
             assert (seq.output_token_ids, seq.finish_reason) == (out, reason)
     bm = sched.block_manager
+    eng.copy(*bm.take_copies())  # an empty last step leaves its copies for the next one
     bm.check_invariants([])
     assert bm.num_free_blocks == bm.num_blocks
+    if bm.host:
+        assert len(bm.host.free) == bm.host.num_blocks, "a host block leaked"
 
 
 def test_resolve_stores_logprobs_of_the_rows_that_have_them():

@@ -36,10 +36,14 @@ PARAMS = [
 VARIANTS = {
     "plain": dict(),
     "chunked": dict(max_num_batched_tokens=8, max_num_seqs=4, block_size=4),
-    "preempt": dict(num_kv_blocks=16, block_size=4, max_model_len=64),
+    # admission_headroom=0: the default would queue prompts rather than preempt
+    "preempt": dict(num_kv_blocks=16, block_size=4, max_model_len=64, admission_headroom=0),
+    "swap_preempt": dict(num_kv_blocks=16, block_size=4, max_model_len=64,
+                         admission_headroom=0, swap_space=0.01, preemption_mode="swap"),
     # overlap runs the deferred-token path even on the CPU (launch is synchronous there)
     "overlap": dict(overlap=True, max_num_batched_tokens=8, max_num_seqs=4, block_size=4),
-    "overlap_preempt": dict(overlap=True, num_kv_blocks=16, block_size=4, max_model_len=64),
+    "overlap_preempt": dict(overlap=True, num_kv_blocks=16, block_size=4, max_model_len=64,
+                            admission_headroom=0),
 }
 
 
@@ -105,6 +109,7 @@ def test_streamed_logprobs_match_transformers(tiny_llama):
     preemption: the logprobs pieces add up to transformers' for each token, in order."""
     engine = LLMEngine(str(tiny_llama), device="cpu", overlap=True, block_size=4,
                        num_kv_blocks=16, max_model_len=64, max_num_batched_tokens=16,
+                       admission_headroom=0,
                        max_num_seqs=8)
     prompts = make_prompts(seed=7, count=len(PARAMS))
     for i, (prompt, params) in enumerate(zip(prompts, PARAMS)):

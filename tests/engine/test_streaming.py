@@ -10,7 +10,7 @@ from nanovllm import LLM, SamplingParams
     dict(overlap=True),
     # chunked prefill, and a KV cache too small for every running row: preemption while
     # streaming recomputes a sequence, and must neither repeat nor lose what was sent
-    dict(overlap=True, max_num_batched_tokens=6, num_kv_blocks=9),
+    dict(overlap=True, max_num_batched_tokens=6, num_kv_blocks=9, admission_headroom=0),
 ], ids=["plain", "overlap", "overlap+preempt"])
 def test_streamed_outputs_show_only_tokens_on_the_host(tiny_llama, extra):
     """Streaming, cumulative and delta, against the offline result of the same requests:

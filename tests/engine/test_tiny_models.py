@@ -17,7 +17,13 @@ CACHE = dict(num_kv_blocks=512)
 VARIANTS = {
     "default": dict(),
     "chunked": dict(max_num_batched_tokens=8, max_num_seqs=4, block_size=4, **CACHE),
-    "preempt": dict(num_kv_blocks=24, block_size=4, max_model_len=96, max_num_seqs=8),
+    # admission_headroom=0: the default headroom would queue prompts instead of preempting
+    "preempt": dict(num_kv_blocks=24, block_size=4, max_model_len=96, max_num_seqs=8,
+                    admission_headroom=0),
+    # preempted sequences keep their full blocks in host memory and copy them back
+    "swap_preempt": dict(num_kv_blocks=24, block_size=4, max_model_len=96, max_num_seqs=8,
+                         admission_headroom=0, swap_space=0.01, preemption_mode="swap"),
+
     "prefill_first": dict(
         scheduling_policy="prefill_first", max_num_batched_tokens=32, max_num_seqs=4,
         block_size=8, **CACHE
@@ -28,13 +34,17 @@ VARIANTS = {
         block_size=4,
         max_model_len=96,
         max_num_seqs=8,
+        admission_headroom=0,
     ),
     "no_prefix_cache": dict(enable_prefix_caching=False, block_size=4, **CACHE),
     # overlap runs the engine's deferred-token path even on CPU (launch is synchronous there)
     "overlap": dict(overlap=True, max_num_batched_tokens=8, max_num_seqs=4, block_size=4,
                     **CACHE),
     "overlap_preempt": dict(overlap=True, num_kv_blocks=24, block_size=4, max_model_len=96,
-                            max_num_seqs=8),
+                            max_num_seqs=8, admission_headroom=0),
+    "overlap_swap": dict(overlap=True, num_kv_blocks=24, block_size=4, max_model_len=96,
+                         max_num_seqs=8, admission_headroom=0, swap_space=0.01,
+                         preemption_mode="swap"),
 }
 
 
@@ -48,10 +58,14 @@ def test_greedy_matches_transformers(tiny_model, greedy_reference, variant):
         assert out.finish_reason == "length"
         assert out.num_prompt_tokens == len(prompt)
     sched = llm.engine.scheduler
-    if variant.endswith("preempt"):
-        assert sched.num_preemptions > 0, "the tiny KV budget should have forced preemption"
     bm = llm.engine.block_manager
+    if variant.endswith("preempt") or variant.endswith("swap"):
+        assert sched.num_preemptions > 0, "the tiny KV budget should have forced preemption"
+    if "swap" in variant:
+        assert sched.num_swaps == sched.num_preemptions
+        assert bm.events["swapped_out"] > 0 and bm.events["swapped_in"] > 0
     assert bm.num_free_blocks == bm.num_blocks
+    bm.check_invariants([])
 
 
 def test_prefix_cache_reuses_blocks(tiny_model, greedy_reference):

@@ -87,6 +87,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "GPU with CUDA graphs, else 1: at once)")
     opt("admission_max_delay", type=int, metavar="STEPS",
         help="most steps a prompt is held back for --admission-batch")
+    opt("admission_headroom", type=int, metavar="TOKENS",
+        help="fair policy: admit a prompt only while it and the next TOKENS tokens of every "
+        "running sequence fit in the free KV blocks (0: whenever its first chunk fits)")
+    opt("swap_space", type=float, metavar="GIB",
+        help="host memory for the KV blocks of preempted sequences, copied back when they "
+        "resume (default: 4 on a GPU, 0 on the CPU)")
+    opt("cpu_offload_gib", type=float, metavar="GIB",
+        help="host memory for cached prefixes evicted from the KV cache, copied back on a hit")
+    opt("preemption_mode", choices=["auto", "swap", "recompute"],
+        help="how a preempted sequence keeps its work; auto: swap when copying its blocks "
+        "costs less than recomputing them")
+    opt("trace", metavar="FILE",
+        help="record every step to FILE (JSON lines; render with `nanovllm trace FILE`; "
+        "default: no trace)")
     opt("enforce_eager", help="GPU: no CUDA graphs")
     opt("torch_compile", help="GPU: fuse norms, RoPE and SiLU with torch.compile")
     opt("fused_kernels", action=argparse.BooleanOptionalAction,
