@@ -219,7 +219,7 @@ class BlockManager:
         bs = self.block_size
         num_lookup = (seq.num_tokens - 1) // bs
         prefix_hash = parent = 0
-        host_event = "swapped_in" if seq.host_blocks else "hit_host"
+        from_host = 0
         for i in range(num_lookup):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = hash_block(tokens, prefix_hash)
@@ -229,7 +229,6 @@ class BlockManager:
                 if block.ref_count == 0:
                     del self.free_blocks[block_id]
                 block.ref_count += 1
-                self.events["hit_device"] += 1
             else:  # a miss, or a hash collision: the host tier, else stop
                 slot = self.host.find(h, tokens, parent) if self.host else None
                 if slot is None or not self.free_blocks:
@@ -242,7 +241,7 @@ class BlockManager:
                 block.prefix_id, block.parent_prefix_id = src.prefix_id, src.parent_prefix_id
                 self.hash_to_block[h] = block_id
                 self.copies_in.append((slot, block_id))
-                self.events[host_event] += 1
+                from_host += 1
             parent = block.prefix_id
             seq.block_table.append(block_id)
             seq.block_hashes.append(h)
@@ -250,7 +249,15 @@ class BlockManager:
         hit = len(seq.block_table) * bs
         seq.num_computed_tokens = hit
         seq.num_cached_prefix_tokens = hit
+        seq.num_host_prefix_blocks = from_host
         return hit
+
+    def count_hits(self, seq: Sequence) -> None:
+        """`seq` was admitted with its cached prefix: count its blocks by tier (a lookup
+        whose admission is undone and retried counts once)."""
+        host = seq.num_host_prefix_blocks
+        self.events["hit_device"] += seq.num_cached_prefix_tokens // self.block_size - host
+        self.events["swapped_in" if seq.host_blocks else "hit_host"] += host
 
     def _holds(self, block_id: int, tokens: tuple[int, ...], parent_prefix_id: int) -> bool:
         block = self.blocks[block_id]

@@ -209,6 +209,7 @@ class Scheduler:
     def _count_prefix(self, seq: Sequence) -> None:
         """`seq` was admitted: count its prefix hits; a swapped sequence has its blocks
         back and lets go of their host copies."""
+        self.block_manager.count_hits(seq)
         if seq.host_blocks:
             self.block_manager.release_host(seq)
         if seq.first_scheduled_time is None:

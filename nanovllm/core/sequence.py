@@ -48,6 +48,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0
         self.num_cached_prefix_tokens = 0  # prefix-cache hits at the last admission
+        self.num_host_prefix_blocks = 0  # of those, blocks copied back from the host tier
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the leading full blocks, in order
         self.host_blocks: list[int] = []  # host-tier slots held while swapped out

@@ -24,9 +24,10 @@ run.jsonl -o run.html` renders it (nanovllm/trace/). The format, version 1:
                  "output_tokens": n}]}
   `kv` counts blocks after the step was scheduled: "used" held by a sequence, "cached" free
   but still holding a findable prefix, "free" the rest. `blocks` counts this step's events:
-  "allocated" fresh blocks taken, "freed" references dropped to zero, "hit_*" prefix blocks
-  found in each tier, "swapped_out" / "swapped_in" blocks copied for preempted sequences,
-  "offloaded" cached blocks copied to the host tier as they left the device.
+  "allocated" fresh blocks taken, "freed" references dropped to zero, "hit_*" the cached prefix
+  blocks of the sequences admitted this step, by tier, "swapped_out" / "swapped_in" blocks
+  copied for preempted sequences, "offloaded" cached blocks copied to the host tier as they
+  left the device.
 
 No torch here: a stub runner (examples/) writes the same trace as the engine.
 """

@@ -1,0 +1,206 @@
+"""KV beyond the device: the host prefix cache against none, and swap against recompute.
+
+    python -m benchmarks.kv_tiers --shape 8b            # Qwen3-8B's shape, random bf16 weights
+    python -m benchmarks.kv_tiers --shape 0.6b --out kv.json
+    python -m benchmarks.kv_tiers --shape tiny           # a CPU smoke run of the same code
+
+Two experiments, each run side by side in one process (a fresh engine per run):
+
+- prefix: --docs documents of --doc-len tokens; --requests requests, each one document (drawn
+  at random, the same draw for both runs) plus a distinct --question-len-token question,
+  --max-tokens output tokens; the device KV cache holds about --device-docs documents.
+  Without a host tier a document evicted from the device is recomputed; with
+  `cpu_offload_gib` (sized for every document) it is copied back. Every request is
+  submitted at once; TTFT is from submission to its first token.
+- burst: --burst prompts of --doc-len unique tokens, --burst-tokens output tokens each, on
+  a cache that holds a quarter of the prompts but not their outputs; admission_headroom=0, so the burst is
+  admitted and preempted (the case the headroom avoids): preemption_mode recompute against
+  swap. Greedy outputs are compared between the two runs.
+
+Figures: output tokens/s, TTFT p50/p90, prefix-hit blocks by tier, preemptions and swaps.
+"""
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.random_model import build_random_model
+from nanovllm import SamplingParams
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.worker.kv_cache import kv_bytes_per_token
+
+HERE = Path(__file__).resolve().parent
+QWEN3_8B = {  # Qwen3-8B's config.json, the fields a decoder reads
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128,
+    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "vocab_size": 151936, "bos_token_id": 151643,
+    "eos_token_id": 151645, "attention_bias": False, "hidden_act": "silu",
+}
+TINY = dict(QWEN3_8B, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024,
+            torch_dtype="float32", tie_word_embeddings=True)
+
+
+def shape_config(name: str) -> dict:
+    if name == "0.6b":
+        return json.loads((HERE / "qwen3_0_6b_config.json").read_text())
+    return {"8b": QWEN3_8B, "tiny": TINY}[name]
+
+
+def run(model: Path, options: dict, prompts: list[list[int]], max_tokens: int) -> dict:
+    """One engine, every prompt submitted at once, streamed: the figures and the outputs."""
+    engine = LLMEngine(str(model), **options)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request([5] * 16, SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.block_manager.reset_prefix_cache()
+    events0 = dict(engine.block_manager.events)
+    start = time.perf_counter()
+    rids = [engine.add_request(p, params, stream=True, delta=True, detokenize=False)
+            for p in prompts]
+    first: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {r: [] for r in rids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            new = out.outputs[0].token_ids if out.outputs else []
+            if new and out.request_id not in first:
+                first[out.request_id] = time.perf_counter() - start
+            tokens[out.request_id] += new
+    wall = time.perf_counter() - start
+    ttft = sorted(first.values())
+    events = {k: v - events0[k] for k, v in engine.block_manager.events.items()}
+    sched = engine.scheduler
+    result = {
+        "options": {k: v for k, v in options.items() if k != "trace"},
+        "wall_s": wall,
+        "output_tok_s": sum(len(t) for t in tokens.values()) / wall,
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
+        "preemptions": sched.num_preemptions,
+        "swaps": sched.num_swaps,
+        "blocks": events,
+        "num_kv_blocks": engine.config.num_kv_blocks,
+        "num_host_blocks": engine.config.num_host_blocks,
+        "outputs": [tokens[r] for r in rids],
+    }
+    del engine, sched
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def summary(name: str, r: dict) -> str:
+    b = r["blocks"]
+    return (f"  {name:<22} {r['output_tok_s']:>9,.0f} tok/s  TTFT p50 {r['ttft_p50_s']:7.3f} s "
+            f"p90 {r['ttft_p90_s']:7.3f} s  hits device {b['hit_device']:>6} "
+            f"host {b['hit_host']:>6}  offloaded {b['offloaded']:>6}  preempted "
+            f"{r['preemptions']} (swap {r['swaps']}, blocks out {b['swapped_out']} "
+            f"in {b['swapped_in']})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=("8b", "0.6b", "tiny"), default="8b")
+    ap.add_argument("--model-dir", default=None, help="where the random model is written")
+    ap.add_argument("--docs", type=int, default=64)
+    ap.add_argument("--doc-len", type=int, default=4096)
+    ap.add_argument("--question-len", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--device-docs", type=int, default=8)
+    ap.add_argument("--burst", type=int, default=64)
+    ap.add_argument("--burst-tokens", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--only", choices=("prefix", "burst"), default=None)
+    ap.add_argument("--out", help="write every figure to this JSON file")
+    args = ap.parse_args()
+
+    cfg = shape_config(args.shape)
+    model_dir = Path(args.model_dir or Path(tempfile.gettempdir()) / f"nanovllm-{args.shape}")
+    model, built = build_random_model(cfg, model_dir)
+    dtype = getattr(torch, cfg["torch_dtype"])
+    per_token = kv_bytes_per_token_of(cfg, dtype)
+    rng = random.Random(0)
+    vocab = cfg["vocab_size"] - 1000
+    bs = args.block_size
+    report = {"shape": args.shape, "kv_bytes_per_token": per_token,
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    print(f"{args.shape}: {per_token / 1024:.0f} KiB of KV a token; a {args.doc_len}-token "
+          f"document is {args.doc_len * per_token / 2**20:.0f} MiB")
+
+    if args.only in (None, "prefix"):
+        docs = [[rng.randrange(vocab) for _ in range(args.doc_len)] for _ in range(args.docs)]
+        picks = [rng.randrange(args.docs) for _ in range(args.requests)]
+        prompts = [docs[d] + [rng.randrange(vocab) for _ in range(args.question_len)]
+                   for d in picks]
+        req_len = args.doc_len + args.question_len + args.max_tokens
+        blocks = args.device_docs * -(-req_len // bs)
+        host_gib = 1.1 * args.docs * args.doc_len * per_token / 2**30
+        base = dict(num_kv_blocks=blocks, block_size=bs, swap_space=0,
+                    max_model_len=-(-req_len // bs) * bs)
+        runs = {"device only": run(model, base, prompts, args.max_tokens),
+                "host prefix cache": run(model, dict(base, cpu_offload_gib=host_gib), prompts,
+                                         args.max_tokens)}
+        off, on = runs["device only"], runs["host prefix cache"]
+        print(f"prefix: {args.requests} requests over {args.docs} documents of "
+              f"{args.doc_len} tokens; device KV {blocks} blocks of {bs} "
+              f"(~{args.device_docs} requests), host tier {host_gib:.1f} GiB")
+        for name, r in runs.items():
+            print(summary(name, r))
+        gain = on["output_tok_s"] / off["output_tok_s"]
+        print(f"  host cache / device only: throughput {gain:.2f}x, "
+              f"TTFT p50 {off['ttft_p50_s'] / on['ttft_p50_s']:.2f}x lower")
+        report["prefix"] = {k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
+                            for k, v in runs.items()}
+
+    if args.only in (None, "burst"):
+        prompts = [[rng.randrange(vocab) for _ in range(args.doc_len)] for _ in range(args.burst)]
+        req_len = args.doc_len + args.burst_tokens
+        # room for a quarter of the prompts, not for their outputs: decoding preempts
+        blocks = max(1, args.burst // 4) * -(-args.doc_len // bs) + 1
+        swap_gib = 1.1 * args.burst * req_len * per_token / 2**30
+        base = dict(num_kv_blocks=blocks, block_size=bs, admission_headroom=0,
+                    max_model_len=-(-req_len // bs) * bs)
+        runs = {"recompute": run(model, dict(base, swap_space=0, preemption_mode="recompute"),
+                                 prompts, args.burst_tokens),
+                "swap": run(model, dict(base, swap_space=swap_gib, preemption_mode="swap"),
+                            prompts, args.burst_tokens),
+                "auto": run(model, dict(base, swap_space=swap_gib), prompts,
+                            args.burst_tokens)}
+        print(f"burst: {args.burst} prompts of {args.doc_len} tokens, {args.burst_tokens} "
+              f"output tokens each; device KV {blocks} blocks of {bs} "
+              f"(~{max(1, args.burst // 4)} requests), swap space {swap_gib:.1f} GiB")
+        for name, r in runs.items():
+            print(summary(name, r))
+        rec, swp = runs["recompute"], runs["swap"]
+        same = sum(a == b for a, b in zip(rec["outputs"], swp["outputs"]))
+        gain = swp["output_tok_s"] / rec["output_tok_s"]
+        print(f"  swap / recompute: throughput {gain:.2f}x; "
+              f"identical greedy outputs {same} of {args.burst}")
+        report["burst"] = {k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
+                           for k, v in runs.items()}
+        report["burst"]["identical_outputs"] = same
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+def kv_bytes_per_token_of(cfg: dict, dtype: torch.dtype) -> int:
+    from nanovllm.model.config import ModelConfig
+
+    return kv_bytes_per_token(ModelConfig.from_hf(cfg), dtype)
+
+
+if __name__ == "__main__":
+    main()
