@@ -13,8 +13,8 @@ Two experiments, each run side by side in one process (a fresh engine per run):
   `cpu_offload_gib` (sized for every document) it is copied back. Every request is
   submitted at once; TTFT is from submission to its first token.
 - burst: --burst prompts of --doc-len unique tokens, --burst-tokens output tokens each, on
-  a cache that holds a quarter of the prompts but not their outputs; admission_headroom=0, so the burst is
-  admitted and preempted (the case the headroom avoids): preemption_mode recompute against
+  a cache that holds a quarter of the prompts but not their outputs; admission_headroom=0,
+  so the burst is admitted and preempted (the case the headroom avoids): preemption_mode recompute against
   swap. Greedy outputs are compared between the two runs.
 
 Figures: output tokens/s, TTFT p50/p90, prefix-hit blocks by tier, preemptions and swaps.

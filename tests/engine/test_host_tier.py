@@ -18,7 +18,7 @@ TIGHT = dict(num_kv_blocks=24, block_size=4, max_model_len=96, max_num_seqs=8)
 
 
 def run(model, prompts, **options):
-    llm = LLM(str(model), device="cpu", **options)
+    llm = LLM(str(model), **{"device": "cpu", **options})
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "a device block leaked"
@@ -129,3 +129,18 @@ def test_the_trace_records_every_step_row_arrival_and_finish(tiny_llama, tmp_pat
 def test_bad_tier_settings_say_what_to_change(tiny_llama, options, says):
     with pytest.raises(ConfigError, match=says.replace("+", r"\+")):
         LLM(str(tiny_llama), device="cpu", **options)
+
+
+@pytest.mark.gpu
+def test_gpu_swap_and_offload_copy_the_right_bytes(tiny_llama):
+    """On CUDA the copies run on a side stream through pinned memory: the outputs of a
+    cache that swaps and offloads equal those of one that never fills."""
+    prompts = make_prompts(seed=3, count=8, shared_prefix=8)
+    _, roomy = run(tiny_llama, prompts, device="cuda", dtype="float32", num_kv_blocks=256,
+                   block_size=4)
+    for options in (dict(admission_headroom=0, swap_space=0.01, preemption_mode="swap"),
+                    dict(admission_headroom=0, swap_space=0, cpu_offload_gib=0.01)):
+        llm, outs = run(tiny_llama, prompts, device="cuda", dtype="float32", **TIGHT,
+                        **options)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert [t for t, _ in outs] == [t for t, _ in roomy], options
