@@ -14,8 +14,9 @@ Two experiments, each run side by side in one process (a fresh engine per run):
   submitted at once; TTFT is from submission to its first token.
 - burst: --burst prompts of --doc-len unique tokens, --burst-tokens output tokens each, on
   a cache that holds a quarter of the prompts but not their outputs; admission_headroom=0,
-  so the burst is admitted and preempted (the case the headroom avoids): preemption_mode recompute against
-  swap. Greedy outputs are compared between the two runs.
+  so the burst is admitted and preempted (the case the headroom avoids): preemption_mode
+  recompute against swap (and auto, the cost policy). Greedy outputs of recompute and swap
+  are compared.
 
 Figures: output tokens/s, TTFT p50/p90, prefix-hit blocks by tier, preemptions and swaps.
 """
