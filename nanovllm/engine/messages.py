@@ -174,6 +174,10 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # prompt tokens found there
     num_preemptions: int
+    num_swaps: int  # of those, by swap
+    num_host_kv_blocks: int  # the host tier (0: none)
+    num_free_host_kv_blocks: int
+    kv_block_events: dict[str, int]  # BlockManager.events: hits by tier, copies
     prompt_tokens: int  # of accepted requests
     generation_tokens: int
     finished: dict[str, int]  # completions ended, by finish reason

@@ -18,6 +18,9 @@ _GAUGES = {
     "kv_cache_usage": ("nanovllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)."),
     "num_kv_blocks": ("nanovllm:num_kv_blocks", "KV cache blocks in all."),
     "num_free_kv_blocks": ("nanovllm:num_free_kv_blocks", "KV cache blocks free."),
+    "num_host_kv_blocks": ("nanovllm:num_host_kv_blocks", "Host-tier KV blocks in all."),
+    "num_free_host_kv_blocks": ("nanovllm:num_free_host_kv_blocks",
+                                "Host-tier KV blocks not held by a swapped sequence."),
 }
 _COUNTERS = {  # prometheus_client appends _total
     "prefix_cache_queries": (
@@ -26,6 +29,8 @@ _COUNTERS = {  # prometheus_client appends _total
     ),
     "prefix_cache_hits": ("nanovllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "num_preemptions": ("nanovllm:num_preemptions", "Sequences preempted."),
+    "num_swaps": ("nanovllm:num_preemptions_swapped",
+                  "Sequences preempted by swap (their blocks kept in host memory)."),
     "prompt_tokens": ("nanovllm:prompt_tokens", "Prompt tokens of admitted requests."),
     "generation_tokens": ("nanovllm:generation_tokens", "Tokens generated."),
 }
@@ -61,6 +66,23 @@ class _EngineCollector:
         for reason, count in s.finished.items():
             done.add_metric([self.model_name, reason], count)
         yield done
+        ev = s.kv_block_events
+        hits = CounterMetricFamily(
+            "nanovllm:prefix_cache_hit_blocks",
+            "Cached prefix blocks of admitted prompts, by tier (host: copied back).",
+            labels=["model_name", "tier"],
+        )
+        hits.add_metric([self.model_name, "device"], ev["hit_device"])
+        hits.add_metric([self.model_name, "host"], ev["hit_host"])
+        yield hits
+        copies = CounterMetricFamily(
+            "nanovllm:kv_blocks_copied",
+            "KV blocks copied between the device and the host tier, by why.",
+            labels=["model_name", "kind"],
+        )
+        for kind in ("swapped_out", "swapped_in", "offloaded"):
+            copies.add_metric([self.model_name, kind], ev[kind])
+        yield copies
 
 
 def _family(cls, name: str, doc: str, labels: list[str], value: float):
