@@ -10,13 +10,15 @@ Two experiments, each run side by side in one process (a fresh engine per run):
   at random, the same draw for both runs) plus a distinct --question-len-token question,
   --max-tokens output tokens; the device KV cache holds about --device-docs documents.
   Without a host tier a document evicted from the device is recomputed; with
-  `cpu_offload_gib` (sized for every document) it is copied back. Every request is
-  submitted at once; TTFT is from submission to its first token.
+  `cpu_offload_gib` (sized for every document) it is copied back. The requests arrive at
+  each of --rates (Poisson, requests/s; 0: all at once); TTFT is from a request's arrival
+  to its first token.
 - burst: --burst prompts of --doc-len unique tokens, --burst-tokens output tokens each, on
   a cache that holds a quarter of the prompts but not their outputs; admission_headroom=0,
   so the burst is admitted and preempted (the case the headroom avoids): preemption_mode
-  recompute against swap (and auto, the cost policy). Greedy outputs of recompute and swap
-  are compared.
+  recompute against swap (and auto, the cost policy), and the seed's recompute (prefix
+  caching off: a victim's blocks are thrown away, not left cached on the device). Greedy
+  outputs of recompute and swap are compared.
 
 Figures: output tokens/s, TTFT p50/p90, prefix-hit blocks by tier, preemptions and swaps.
 """
@@ -57,48 +59,75 @@ def shape_config(name: str) -> dict:
     return {"8b": QWEN3_8B, "tiny": TINY}[name]
 
 
-def run(model: Path, options: dict, prompts: list[list[int]], max_tokens: int) -> dict:
-    """One engine, every prompt submitted at once, streamed: the figures and the outputs."""
+def run(model: Path, options: dict, prompts: list[list[int]], max_tokens: int,
+        rates: tuple[float, ...] = (0.0,)) -> dict:
+    """One engine; the prompts streamed at each arrival rate in turn (requests/s, Poisson,
+    the same draw for every engine; 0: all at once), each from a cold cache in both tiers.
+    Returns {rate: figures and outputs}."""
     engine = LLMEngine(str(model), **options)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     engine.add_request([5] * 16, SamplingParams(temperature=0, max_tokens=4))  # warm-up
     while engine.has_unfinished_requests():
         engine.step()
-    engine.block_manager.reset_prefix_cache()
+    results = {}
+    for rate in rates:
+        gaps = random.Random(1)
+        arrivals, t = [], 0.0
+        for _ in prompts:
+            arrivals.append(t)
+            t += gaps.expovariate(rate) if rate else 0.0
+        results[rate] = _timed(engine, prompts, arrivals, params)
+        results[rate]["options"] = options
+        results[rate]["rate"] = rate
+    cost = engine.runner.preemption_cost
+    for r in results.values():
+        r["copy_gb_s"] = cost.copy_bytes_per_s / 1e9 if cost else None
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return results
+
+
+def _timed(engine: LLMEngine, prompts, arrivals: list[float], params) -> dict:
+    assert engine.block_manager.reset_prefix_cache()
     events0 = dict(engine.block_manager.events)
+    preempted0, swaps0 = engine.scheduler.num_preemptions, engine.scheduler.num_swaps
     start = time.perf_counter()
-    rids = [engine.add_request(p, params, stream=True, delta=True, detokenize=False)
-            for p in prompts]
+    arrived: dict[str, float] = {}
     first: dict[str, float] = {}
-    tokens: dict[str, list[int]] = {r: [] for r in rids}
-    while engine.has_unfinished_requests():
+    tokens: dict[str, list[int]] = {}
+    rids: list[str] = []
+    while len(rids) < len(prompts) or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while len(rids) < len(prompts) and arrivals[len(rids)] <= now:
+            rid = engine.add_request(prompts[len(rids)], params, stream=True, delta=True,
+                                     detokenize=False)
+            rids.append(rid)
+            arrived[rid], tokens[rid] = arrivals[len(rids) - 1], []
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, arrivals[len(rids)] - now))
+            continue
         for out in engine.step():
             new = out.outputs[0].token_ids if out.outputs else []
             if new and out.request_id not in first:
-                first[out.request_id] = time.perf_counter() - start
+                first[out.request_id] = time.perf_counter() - start - arrived[out.request_id]
             tokens[out.request_id] += new
     wall = time.perf_counter() - start
     ttft = sorted(first.values())
     events = {k: v - events0[k] for k, v in engine.block_manager.events.items()}
-    sched = engine.scheduler
-    result = {
-        "options": {k: v for k, v in options.items() if k != "trace"},
+    return {
         "wall_s": wall,
         "output_tok_s": sum(len(t) for t in tokens.values()) / wall,
         "ttft_p50_s": statistics.median(ttft),
         "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
-        "preemptions": sched.num_preemptions,
-        "swaps": sched.num_swaps,
+        "preemptions": engine.scheduler.num_preemptions - preempted0,
+        "swaps": engine.scheduler.num_swaps - swaps0,
         "blocks": events,
         "num_kv_blocks": engine.config.num_kv_blocks,
         "num_host_blocks": engine.config.num_host_blocks,
         "outputs": [tokens[r] for r in rids],
     }
-    del engine, sched
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return result
 
 
 def summary(name: str, r: dict) -> str:
@@ -121,6 +150,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--device-docs", type=int, default=8)
+    ap.add_argument("--rates", default="0",
+                    help="prefix: arrival rates to run, requests/s, comma-separated (0: all at "
+                    "once)")
     ap.add_argument("--burst", type=int, default=64)
     ap.add_argument("--burst-tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
@@ -151,20 +183,26 @@ def main() -> None:
         host_gib = 1.1 * args.docs * args.doc_len * per_token / 2**30
         base = dict(num_kv_blocks=blocks, block_size=bs, swap_space=0,
                     max_model_len=-(-req_len // bs) * bs)
-        runs = {"device only": run(model, base, prompts, args.max_tokens),
-                "host prefix cache": run(model, dict(base, cpu_offload_gib=host_gib), prompts,
-                                         args.max_tokens)}
-        off, on = runs["device only"], runs["host prefix cache"]
+        rates = tuple(float(r) for r in args.rates.split(","))
+        off_runs = run(model, base, prompts, args.max_tokens, rates)
+        on_runs = run(model, dict(base, cpu_offload_gib=host_gib), prompts, args.max_tokens,
+                      rates)
         print(f"prefix: {args.requests} requests over {args.docs} documents of "
               f"{args.doc_len} tokens; device KV {blocks} blocks of {bs} "
               f"(~{args.device_docs} requests), host tier {host_gib:.1f} GiB")
-        for name, r in runs.items():
-            print(summary(name, r))
-        gain = on["output_tok_s"] / off["output_tok_s"]
-        print(f"  host cache / device only: throughput {gain:.2f}x, "
-              f"TTFT p50 {off['ttft_p50_s'] / on['ttft_p50_s']:.2f}x lower")
-        report["prefix"] = {k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
-                            for k, v in runs.items()}
+        report["prefix"] = {}
+        for rate in rates:
+            off, on = off_runs[rate], on_runs[rate]
+            print(f" arrivals: {'all at once' if not rate else f'{rate:g} requests/s'}")
+            print(summary("device only", off))
+            print(summary("host prefix cache", on))
+            gain = on["output_tok_s"] / off["output_tok_s"]
+            print(f"  host cache / device only: throughput {gain:.2f}x, "
+                  f"TTFT p50 {off['ttft_p50_s'] / on['ttft_p50_s']:.2f}x lower, "
+                  f"p90 {off['ttft_p90_s'] / on['ttft_p90_s']:.2f}x lower")
+            report["prefix"][str(rate)] = {
+                name: {k: v for k, v in r.items() if k != "outputs"}
+                for name, r in (("device only", off), ("host prefix cache", on))}
 
     if args.only in (None, "burst"):
         prompts = [[rng.randrange(vocab) for _ in range(args.doc_len)] for _ in range(args.burst)]
@@ -174,12 +212,19 @@ def main() -> None:
         swap_gib = 1.1 * args.burst * req_len * per_token / 2**30
         base = dict(num_kv_blocks=blocks, block_size=bs, admission_headroom=0,
                     max_model_len=-(-req_len // bs) * bs)
-        runs = {"recompute": run(model, dict(base, swap_space=0, preemption_mode="recompute"),
-                                 prompts, args.burst_tokens),
-                "swap": run(model, dict(base, swap_space=swap_gib, preemption_mode="swap"),
-                            prompts, args.burst_tokens),
-                "auto": run(model, dict(base, swap_space=swap_gib), prompts,
-                            args.burst_tokens)}
+        runs = {
+            # the seed's preemption: every block of a victim thrown away
+            "recompute, no prefix cache": run(
+                model, dict(base, swap_space=0, enable_prefix_caching=False), prompts,
+                args.burst_tokens)[0.0],
+            # a victim's blocks stay cached on the device until reused
+            "recompute": run(model, dict(base, swap_space=0, preemption_mode="recompute"),
+                             prompts, args.burst_tokens)[0.0],
+            "swap": run(model, dict(base, swap_space=swap_gib, preemption_mode="swap"),
+                        prompts, args.burst_tokens)[0.0],
+            "auto": run(model, dict(base, swap_space=swap_gib), prompts,
+                        args.burst_tokens)[0.0],
+        }
         print(f"burst: {args.burst} prompts of {args.doc_len} tokens, {args.burst_tokens} "
               f"output tokens each; device KV {blocks} blocks of {bs} "
               f"(~{max(1, args.burst // 4)} requests), swap space {swap_gib:.1f} GiB")
@@ -187,9 +232,11 @@ def main() -> None:
             print(summary(name, r))
         rec, swp = runs["recompute"], runs["swap"]
         same = sum(a == b for a, b in zip(rec["outputs"], swp["outputs"]))
-        gain = swp["output_tok_s"] / rec["output_tok_s"]
-        print(f"  swap / recompute: throughput {gain:.2f}x; "
-              f"identical greedy outputs {same} of {args.burst}")
+        seed = runs["recompute, no prefix cache"]
+        print(f"  swap / recompute: throughput {swp['output_tok_s'] / rec['output_tok_s']:.2f}x "
+              f"(/ recompute without prefix cache "
+              f"{swp['output_tok_s'] / seed['output_tok_s']:.2f}x); identical greedy outputs "
+              f"{same} of {args.burst}")
         report["burst"] = {k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
                            for k, v in runs.items()}
         report["burst"]["identical_outputs"] = same
