@@ -20,6 +20,11 @@ Two experiments, each run side by side in one process (a fresh engine per run):
   caching off: a victim's blocks are thrown away, not left cached on the device). Greedy
   outputs of recompute and swap are compared.
 
+- priority: --low requests of --low-len tokens at priority 1 run on a cache that holds them
+  to their end; once each has its first token, as many priority-0 requests of the same
+  length arrive, preempt them all and take their blocks; the low ones then resume by
+  recomputing their whole context, or by copying it back (swap).
+
 Figures: output tokens/s, TTFT p50/p90, prefix-hit blocks by tier, preemptions and swaps.
 """
 
@@ -130,6 +135,53 @@ def _timed(engine: LLMEngine, prompts, arrivals: list[float], params) -> dict:
     }
 
 
+def run_priority(model: Path, options: dict, lows: list[list[int]], highs: list[list[int]],
+                 low_tokens: int, high_tokens: int) -> dict:
+    """Long low-priority requests run; once each has its first token a burst of
+    high-priority ones arrives, preempts them all and takes their blocks; the low ones
+    then resume: by recomputing their context or by copying it back."""
+    engine = LLMEngine(str(model), **options)
+    engine.add_request([5] * 16, SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.reset_prefix_cache()
+    low_p = SamplingParams(temperature=0, max_tokens=low_tokens, ignore_eos=True)
+    high_p = SamplingParams(temperature=0, max_tokens=high_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    low_ids = [engine.add_request(p, low_p, stream=True, delta=True, detokenize=False,
+                                  priority=1) for p in lows]
+    tokens: dict[str, list[int]] = {r: [] for r in low_ids}
+    done: dict[str, float] = {}
+    burst_at = None
+    while engine.has_unfinished_requests() or burst_at is None:
+        if burst_at is None and all(tokens[r] for r in low_ids):
+            burst_at = time.perf_counter() - start
+            for p in highs:
+                rid = engine.add_request(p, high_p, stream=True, delta=True, detokenize=False)
+                tokens[rid] = []
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids if out.outputs else []
+            if out.finished:
+                done[out.request_id] = time.perf_counter() - start
+    wall = time.perf_counter() - start
+    sched = engine.scheduler
+    result = {
+        "options": options, "wall_s": wall, "burst_at_s": burst_at,
+        "output_tok_s": sum(len(t) for t in tokens.values()) / wall,
+        "low_done_s": max(done[r] for r in low_ids),
+        "preemptions": sched.num_preemptions, "swaps": sched.num_swaps,
+        "blocks": dict(engine.block_manager.events),
+        "outputs": [tokens[r] for r in low_ids],
+        "copy_gb_s": engine.runner.preemption_cost.copy_bytes_per_s / 1e9
+        if engine.runner.preemption_cost else None,
+    }
+    del engine, sched
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
 def summary(name: str, r: dict) -> str:
     b = r["blocks"]
     return (f"  {name:<22} {r['output_tok_s']:>9,.0f} tok/s  TTFT p50 {r['ttft_p50_s']:7.3f} s "
@@ -156,7 +208,11 @@ def main() -> None:
     ap.add_argument("--burst", type=int, default=64)
     ap.add_argument("--burst-tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--only", choices=("prefix", "burst"), default=None)
+    ap.add_argument("--low", type=int, default=8, help="priority: long low-priority requests")
+    ap.add_argument("--low-len", type=int, default=16384)
+    ap.add_argument("--low-tokens", type=int, default=256)
+    ap.add_argument("--high-tokens", type=int, default=32)
+    ap.add_argument("--only", choices=("prefix", "burst", "priority"), default=None)
     ap.add_argument("--out", help="write every figure to this JSON file")
     args = ap.parse_args()
 
@@ -240,6 +296,41 @@ def main() -> None:
         report["burst"] = {k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
                            for k, v in runs.items()}
         report["burst"]["identical_outputs"] = same
+    if args.only in (None, "priority"):
+        lows = [[rng.randrange(vocab) for _ in range(args.low_len)] for _ in range(args.low)]
+        highs = [[rng.randrange(vocab) for _ in range(args.low_len)] for _ in range(args.low)]
+        req_len = args.low_len + args.low_tokens
+        # room for the low requests to their end; the high burst needs all of it
+        blocks = args.low * -(-req_len // bs)
+        swap_gib = 1.1 * args.low * req_len * per_token / 2**30
+        base = dict(num_kv_blocks=blocks, block_size=bs, max_model_len=-(-req_len // bs) * bs,
+                    max_num_batched_tokens=max(16384, args.low_len))
+        runs = {
+            "recompute": run_priority(model, dict(base, swap_space=0), lows, highs,
+                                      args.low_tokens, args.high_tokens),
+            "swap": run_priority(model, dict(base, swap_space=swap_gib, preemption_mode="swap"),
+                                 lows, highs, args.low_tokens, args.high_tokens),
+            "auto": run_priority(model, dict(base, swap_space=swap_gib), lows, highs,
+                                 args.low_tokens, args.high_tokens),
+        }
+        print(f"priority: {args.low} low-priority requests of {args.low_len} tokens "
+              f"({args.low_tokens} output tokens), then {args.low} high-priority ones of "
+              f"{args.low_len} tokens ({args.high_tokens} output tokens); device KV {blocks} "
+              f"blocks of {bs}, swap space {swap_gib:.1f} GiB")
+        for name, r in runs.items():
+            b = r["blocks"]
+            print(f"  {name:<10} {r['output_tok_s']:>8,.0f} tok/s  wall {r['wall_s']:6.2f} s  "
+                  f"low-priority done at {r['low_done_s']:6.2f} s  preempted "
+                  f"{r['preemptions']} (swap {r['swaps']}, blocks out {b['swapped_out']} in "
+                  f"{b['swapped_in']})  copies {r['copy_gb_s'] or 0:.1f} GB/s")
+        rec, swp = runs["recompute"], runs["swap"]
+        same = sum(a == b for a, b in zip(rec["outputs"], swp["outputs"]))
+        print(f"  swap / recompute: throughput {swp['output_tok_s'] / rec['output_tok_s']:.2f}x, "
+              f"low-priority work done {rec['low_done_s'] / swp['low_done_s']:.2f}x sooner; "
+              f"identical greedy outputs {same} of {args.low}")
+        report["priority"] = {k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
+                              for k, v in runs.items()}
+        report["priority"]["identical_outputs"] = same
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
 
