@@ -26,6 +26,8 @@ def make_scheduler(
     num_host_blocks: int = 0,
     swap: bool = False,
     offload: bool = False,
+    preemption_mode: str = "auto",
+    cost=None,
 ) -> Scheduler:
     config = ResolvedConfig(
         device="cpu",
@@ -50,10 +52,11 @@ def make_scheduler(
         admission_headroom=admission_headroom,
         swap_space=1.0 if swap else 0.0,
         num_host_blocks=num_host_blocks,
+        preemption_mode=preemption_mode,
     )
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
                       num_host_blocks=num_host_blocks, offload=offload)
-    return Scheduler(config, bm, eos_token_ids={EOS})
+    return Scheduler(config, bm, eos_token_ids={EOS}, cost=cost)
 
 
 def default_token(seq: Sequence) -> int:

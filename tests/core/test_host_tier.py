@@ -203,3 +203,57 @@ def test_usage_counts_each_tier():
 def test_the_host_tier_needs_prefix_caching():
     bm = BlockManager(4, BS, enable_prefix_caching=False, num_host_blocks=4, offload=True)
     assert bm.host is None and bm.offload is False
+
+
+def test_block_events_count_every_block_once_and_add_up():
+    bm = tiered(num_blocks=8)
+    a = [1, 2, 3, 4, 5]
+    run_and_free(bm, 0, a)  # 3 blocks taken, 3 freed, no hit
+    assert (bm.events["allocated"], bm.events["freed"], bm.events["hit_device"]) == (3, 3, 0)
+    run_and_free(bm, 1, a)  # 2 full blocks hit, 1 fresh block
+    run_and_free(bm, 2, a)
+    assert (bm.events["allocated"], bm.events["freed"], bm.events["hit_device"]) == (5, 9, 4)
+    assert all(type(v) is int for v in bm.events.values())
+    # host hits add up the same way
+    bm = tiered()
+    b = [9, 8, 7, 6, 5, 4, 3, 2]
+    run_and_free(bm, 0, a)
+    run_and_free(bm, 1, b)  # a's blocks go to the host
+    bm.take_copies()
+    run_and_free(bm, 2, a)  # a's 2 blocks come back, pushing b's out
+    assert bm.events["hit_host"] == 2
+    bm.take_copies()
+    again, _ = run_and_free(bm, 3, b)
+    assert again.num_host_prefix_blocks > 0
+    assert bm.events["hit_host"] == 2 + again.num_host_prefix_blocks
+
+
+def test_a_host_tier_clears_only_when_nothing_is_held():
+    bm = tiered()
+    block = bm.blocks[0]
+    block.hash, block.token_ids = 42, (1, 2)
+    slot = bm.host.store(block)
+    assert bm.host.clear() is False and bm.host.hash_to_block == {42: slot}
+    bm.host.release(slot)
+    assert bm.host.clear() is True and bm.host.hash_to_block == {}
+
+
+def test_reusing_a_slot_keeps_a_newer_slot_of_the_same_hash_findable():
+    """Two blocks can share a hash (a collision: other tokens or another prefix); the map
+    points at the newest, and reusing the older slot must not drop it."""
+    bm = tiered(host=2)
+    old, new = bm.blocks[0], bm.blocks[1]
+    old.hash, old.token_ids, old.parent_prefix_id = 7, (1, 2), 0
+    new.hash, new.token_ids, new.parent_prefix_id = 7, (3, 4), 0
+    s_old = bm.host.store(old)
+    s_new = bm.host.store(new)
+    assert bm.host.hash_to_block == {7: s_new}
+    bm.host.release(s_old)
+    other = bm.blocks[2]
+    other.hash, other.token_ids = 9, (5, 6)
+    assert bm.host.store(other) == s_old  # the old slot is reused
+    assert bm.host.find(7, (3, 4), 0) == s_new
+
+
+def test_offload_is_off_unless_asked_for():
+    assert BlockManager(4, BS, num_host_blocks=4).offload is False
