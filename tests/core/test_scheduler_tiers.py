@@ -133,3 +133,25 @@ def test_every_swap_is_counted_and_every_victim_resumes():
     assert sched.num_swaps == sched.num_preemptions == len(kinds)
     assert all(s.num_output_tokens == 10 and s.host_blocks == [] for s in seqs)
     assert sched.block_manager.events["swapped_in"] > 0
+
+
+@pytest.mark.parametrize("spare, admitted", [(0, True), (-1, False)])
+def test_headroom_counts_only_what_a_prompt_still_lacks_after_its_prefix_hit(spare, admitted):
+    """A prompt whose first 8 tokens are cached needs room for its 1 new token (+ the
+    headroom), not for all 9."""
+    h = 2
+    runner_blocks = -(-(10 + h) // BS)  # 8-token prompt, 2 tokens out, 1 decoding
+    new_blocks = -(-(9 + h) // BS) - 2  # beyond the 2 cached blocks it shares
+    sched = make_scheduler("fair", num_blocks=runner_blocks + new_blocks + spare,
+                           block_size=BS, max_num_seqs=4, max_model_len=64,
+                           admission_headroom=h)
+    eng = FakeEngine(sched)
+    runner = eng.add(prompt(8), 1, max_tokens=30)
+    eng.step()
+    eng.step()
+    assert runner.num_tokens == 10
+    new = eng.add(prompt(8) + [999], 1, max_tokens=2)
+    eng.step()
+    assert (new.status == SequenceStatus.RUNNING) is admitted
+    if admitted:
+        assert new.num_cached_prefix_tokens == 8
