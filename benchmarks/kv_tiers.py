@@ -141,7 +141,9 @@ def run_priority(model: Path, options: dict, lows: list[list[int]], highs: list[
     high-priority ones arrives, preempts them all and takes their blocks; the low ones
     then resume: by recomputing their context or by copying it back."""
     engine = LLMEngine(str(model), **options)
-    engine.add_request([5] * 16, SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    # warm-up at the workload's shapes (a full prefill chunk compiles its kernels here, not
+    # in the first engine's timed run)
+    engine.add_request([5] * len(lows[0]), SamplingParams(temperature=0, max_tokens=4))
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.block_manager.reset_prefix_cache()
