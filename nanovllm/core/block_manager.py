@@ -16,7 +16,8 @@ def hash_block(token_ids: list[int], prefix_hash: int) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "prefix_id", "parent_prefix_id")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "prefix_id", "parent_prefix_id",
+                 "parent_hash")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -26,6 +27,7 @@ class Block:
         # equal ids <=> equal token prefixes through this block, whatever the hashes say
         self.prefix_id = 0
         self.parent_prefix_id = 0  # prefix_id of the block before it; 0: the first block
+        self.parent_hash: int | None = None  # hash of the block before it (cache events)
 
 
 class HostTier:
@@ -41,11 +43,12 @@ class HostTier:
     order the BlockManager hands out with each step.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: list | None = None) -> None:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.events = events  # BlockManager.cache_events, when recorded
 
     def find(self, h: int, tokens: tuple[int, ...], parent_prefix_id: int) -> int | None:
         """The slot holding this exact block (hash, tokens and what precedes it), if any."""
@@ -78,12 +81,21 @@ class HostTier:
         slot, _ = self.free.popitem(last=False)
         b = self.blocks[slot]
         if b.hash != -1 and self.hash_to_block.get(b.hash) == slot:
-            del self.hash_to_block[b.hash]
+            self.forget(b.hash)
         b.ref_count = 1
         b.hash, b.token_ids = src.hash, src.token_ids
         b.prefix_id, b.parent_prefix_id = src.prefix_id, src.parent_prefix_id
+        b.parent_hash = src.parent_hash
+        if self.events is not None and b.hash not in self.hash_to_block:
+            self.events.append(("stored", "CPU", b.hash, b.parent_hash, b.token_ids))
         self.hash_to_block[b.hash] = slot
         return slot
+
+    def forget(self, h: int) -> None:
+        """The hash is no longer findable in this tier."""
+        del self.hash_to_block[h]
+        if self.events is not None:
+            self.events.append(("removed", "CPU", h))
 
     def usage(self) -> dict[str, int]:
         used = self.num_blocks - len(self.free)
@@ -127,7 +139,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0, offload: bool = False):
+                 num_host_blocks: int = 0, offload: bool = False, cache_events: bool = False):
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -136,7 +148,12 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self._prefix_ids = count(1)
-        self.host = HostTier(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
+        # KV cache events (engine/kv_events.py publishes them): ("stored", medium, hash,
+        # parent hash, token ids), ("removed", medium, hash), ("cleared",), as a hash
+        # becomes findable in a tier or stops being so
+        self.cache_events: list | None = [] if cache_events else None
+        self.host = (HostTier(num_host_blocks, self.cache_events)
+                     if num_host_blocks and enable_prefix_caching else None)
         self.offload = offload and self.host is not None
         self.copies_out: list[tuple[int, int]] = []  # (device block, host slot)
         self.copies_in: list[tuple[int, int]] = []  # (host slot, device block)
@@ -170,7 +187,24 @@ class BlockManager:
         self.hash_to_block.clear()
         if self.host:
             self.host.clear()
+        if self.cache_events is not None:
+            self.cache_events.append(("cleared",))
         return True
+
+    def take_cache_events(self) -> list:
+        """The cache events since the last call (empty unless recorded)."""
+        if not self.cache_events:
+            return []
+        events = list(self.cache_events)
+        self.cache_events.clear()  # the same list the host tier appends to
+        return events
+
+    def _index(self, block: Block) -> None:
+        """A registered device block becomes findable by its hash."""
+        if self.cache_events is not None and block.hash not in self.hash_to_block:
+            self.cache_events.append(("stored", "GPU", block.hash, block.parent_hash,
+                                      block.token_ids))
+        self.hash_to_block[block.hash] = block.block_id
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The copies the next step must run before its forward pass: (out, in)."""
@@ -187,6 +221,8 @@ class BlockManager:
         if block.hash != -1:
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
+                if self.cache_events is not None:
+                    self.cache_events.append(("removed", "GPU", block.hash))
                 if self.offload:
                     self._offload(block)
             block.hash = -1
@@ -239,7 +275,8 @@ class BlockManager:
                 block, src = self.blocks[block_id], self.host.blocks[slot]
                 block.hash, block.token_ids = h, tokens
                 block.prefix_id, block.parent_prefix_id = src.prefix_id, src.parent_prefix_id
-                self.hash_to_block[h] = block_id
+                block.parent_hash = prefix_hash if i else None
+                self._index(block)
                 self.copies_in.append((slot, block_id))
                 from_host += 1
             parent = block.prefix_id
@@ -294,7 +331,8 @@ class BlockManager:
                 block.parent_prefix_id = parent
                 block.hash = h
                 block.token_ids = tokens
-                self.hash_to_block[h] = block.block_id
+                block.parent_hash = prefix_hash if i else None
+                self._index(block)
 
     def swap_out(self, seq: Sequence) -> list[int] | None:
         """Copy a running sequence's full computed blocks to the host tier and hold them
@@ -316,7 +354,7 @@ class BlockManager:
                     for _, s in copies:
                         b = self.host.blocks[s]
                         if self.host.hash_to_block.get(b.hash) == s:
-                            del self.host.hash_to_block[b.hash]
+                            self.host.forget(b.hash)
                         b.hash, b.token_ids = -1, ()
                     return None
                 copies.append((block.block_id, slot))

@@ -60,6 +60,10 @@ class EngineConfig:
     # auto: int4-bf16 on a CPU, dense on a GPU (see BENCHMARKS.md)
     weight_format: str = "auto"
     trace: str | None = None  # a file to record every step to (core/trace.py)
+    # publish KV cache events (blocks stored / removed per tier) in vLLM's ZMQ + msgpack
+    # format on this address, e.g. "tcp://*:5557" (engine/kv_events.py); None: off
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":

@@ -58,8 +58,15 @@ class LLMEngine:
         cfg = self.config
         self.block_manager = BlockManager(
             cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.num_host_blocks,
-            offload=cfg.cpu_offload_gib > 0,
+            offload=cfg.cpu_offload_gib > 0, cache_events=config.kv_events_endpoint is not None,
         )
+        self.kv_events = None
+        if config.kv_events_endpoint is not None:
+            from nanovllm.engine.kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(config.kv_events_endpoint, cfg.block_size,
+                                              config.kv_events_topic)
+            log.info("KV cache events on %s", self.kv_events.endpoint)
         self.scheduler = Scheduler(cfg, self.block_manager, self.eos_token_ids,
                                    self.runner.preemption_cost)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
@@ -207,6 +214,8 @@ class LLMEngine:
         outputs = self._outputs()
         if trace:
             trace.end(start)
+        if self.kv_events:
+            self.kv_events.publish(self.block_manager.take_cache_events())
         return outputs
 
     def _can_overlap(self, batch: ScheduledBatch) -> bool:

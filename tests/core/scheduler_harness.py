@@ -55,7 +55,7 @@ def make_scheduler(
         preemption_mode=preemption_mode,
     )
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
-                      num_host_blocks=num_host_blocks, offload=offload)
+                      num_host_blocks=num_host_blocks, offload=offload, cache_events=True)
     return Scheduler(config, bm, eos_token_ids={EOS}, cost=cost)
 
 
@@ -81,6 +81,7 @@ class FakeEngine:
         self.inflight: tuple[list[Sequence], list[int]] | None = None
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
         self.host: dict[int, list] = {}  # host slot -> the block's slots' contents
+        self.findable: dict[str, set[int]] = {"GPU": set(), "CPU": set()}  # from cache events
         self.seqs: list[Sequence] = []
         self.finished: set[int] = set()
 
@@ -141,6 +142,7 @@ class FakeEngine:
         sched = self.sched
         live = list(sched.waiting) + sched.running
         sched.block_manager.check_invariants(live)
+        self.check_cache_events()
         for seq in self.seqs:
             if seq.is_finished:
                 assert seq.finish_reason is not None and seq.block_table == []
@@ -148,6 +150,20 @@ class FakeEngine:
                 self.finished.add(seq.seq_id)
             else:
                 assert seq.finish_reason is None
+
+    def check_cache_events(self) -> None:
+        """Replaying the cache events gives exactly the hashes each tier can find."""
+        bm = self.sched.block_manager
+        for event in bm.take_cache_events():
+            if event[0] == "stored":
+                assert event[2] not in self.findable[event[1]], ("stored twice", event)
+                self.findable[event[1]].add(event[2])
+            elif event[0] == "removed":
+                self.findable[event[1]].remove(event[2])
+            else:
+                self.findable = {"GPU": set(), "CPU": set()}
+        assert self.findable["GPU"] == set(bm.hash_to_block)
+        assert self.findable["CPU"] == set(bm.host.hash_to_block if bm.host else ())
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.sched.finish(seq, reason)

@@ -101,6 +101,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     opt("trace", metavar="FILE",
         help="record every step to FILE (JSON lines; render with `nanovllm trace FILE`; "
         "default: no trace)")
+    opt("kv_events_endpoint", metavar="ADDRESS",
+        help="publish KV cache events (blocks stored / removed, by tier) for KV-aware routers "
+        "in vLLM's ZMQ + msgpack format on ADDRESS, e.g. tcp://*:5557 (default: off)")
+    opt("kv_events_topic", metavar="TOPIC",
+        help="the ZMQ topic of those events (default: empty)")
     opt("enforce_eager", help="GPU: no CUDA graphs")
     opt("torch_compile", help="GPU: fuse norms, RoPE and SiLU with torch.compile")
     opt("fused_kernels", action=argparse.BooleanOptionalAction,
