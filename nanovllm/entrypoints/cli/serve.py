@@ -36,6 +36,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="requests allowed to wait in the engine; more get HTTP 429")
     g.add_argument("--max-request-bytes", type=int, metavar="N", default=1 << 20,
                    help="larger request bodies get HTTP 413")
+    g.add_argument("--data-parallel-size", type=int, metavar="N", default=1,
+                   help="engine processes behind this server, one per GPU (or a share of the "
+                   "CPU each); each request goes to the one caching its prompt's prefix "
+                   "unless that one is busier than the others")
     g.add_argument("--log-interval", type=float, metavar="SECONDS", default=10.0,
                    help="time between the engine's status lines")
 
@@ -50,6 +54,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     server = ServerSettings(
         args.host, args.port, args.api_key, args.served_model_name, args.max_request_bytes,
-        args.protect_metrics,
+        args.protect_metrics, args.data_parallel_size,
     )
     return run_server(engine, server)

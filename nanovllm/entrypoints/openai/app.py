@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.core.errors import NanoVLLMError
 from nanovllm.engine.tokenizer import Tokenizer
-from nanovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError
+from nanovllm.entrypoints.openai.engine_client import EngineDeadError
 from nanovllm.entrypoints.openai.errors import APIError, api_error
 from nanovllm.entrypoints.openai.generation import Generation
 from nanovllm.entrypoints.openai.openapi import (
@@ -43,6 +43,7 @@ from nanovllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from nanovllm.entrypoints.openai.replicas import ReplicaSet
 from nanovllm.entrypoints.openai.request_body import body_read, read_json
 from nanovllm.entrypoints.openai.responses import respond
 from nanovllm.entrypoints.openai.serving import Server, ServerConfig
@@ -52,7 +53,7 @@ log = logging.getLogger("nanovllm.server")
 _bearer = HTTPBearer(auto_error=False, description="the server's --api-key")
 
 
-def build_app(client: EngineClient, tokenizer: Tokenizer, config: ServerConfig) -> FastAPI:
+def build_app(client: ReplicaSet, tokenizer: Tokenizer, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving `client`'s engine; it starts reading the engine's replies
     when the app starts."""
     server = Server(client, tokenizer, config)
@@ -99,10 +100,13 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, config: ServerConfig) 
 
     @app.get("/health", response_class=Response, responses=responses(None, (503,)))
     async def health() -> Response:
-        """200 while the engine process runs (no key needed: for probes)."""
+        """200 while an engine process runs (no key needed: for probes); with replicas, the
+        body names those that are gone."""
         if not client.alive:
             raise EngineDeadError(client.error or "the engine process has exited")
-        return Response(status_code=200)
+        down = client.down()
+        text = "".join(f"replica {i} is down: {why}\n" for i, why in down.items())
+        return Response(text, status_code=200, media_type="text/plain")
 
     metrics_keyed = keyed if config.protect_metrics else []
     metrics_auth = auth if config.protect_metrics else ()

@@ -13,7 +13,7 @@ from nanovllm.engine import stack_sampler
 from nanovllm.engine.messages import EngineProcessConfig
 from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.entrypoints.openai.app import build_app
-from nanovllm.entrypoints.openai.engine_client import EngineClient
+from nanovllm.entrypoints.openai.replicas import ReplicaSet
 from nanovllm.entrypoints.openai.serving import MAX_N, ServerConfig
 
 log = logging.getLogger("nanovllm.server")
@@ -31,6 +31,7 @@ class ServerSettings:
     served_model_name: str | None = None  # None: the model directory's or file's name
     max_request_bytes: int = 1 << 20
     protect_metrics: bool = False  # /metrics needs the API key too
+    data_parallel_size: int = 1  # engine processes behind this front end (replicas.py)
 
 
 def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
@@ -43,8 +44,12 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
     log.setLevel(logging.INFO)
     check_address(server.host, server.port)
     tokenizer = load_tokenizer(open_model(engine.model))  # fails fast on a bad path
-    log.info("starting the engine process (model %s)", engine.model or "default")
-    client = EngineClient.start(engine)
+    if server.data_parallel_size < 1:
+        raise ConfigError(f"--data-parallel-size {server.data_parallel_size} is invalid; "
+                          "use 1 or more engine processes")
+    log.info("starting %d engine process%s (model %s)", server.data_parallel_size,
+             "es" if server.data_parallel_size > 1 else "", engine.model or "default")
+    client = ReplicaSet.start(engine, server.data_parallel_size)
     try:
         config = ServerConfig(
             served_model_name=server.served_model_name or served_name(engine.model),

@@ -45,49 +45,54 @@ class _EngineCollector:
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.snapshot: EngineStats | None = None
+        self.snapshot: list[tuple[int, EngineStats]] | None = None
 
     def describe(self) -> list:
         return []  # no collect() at registration: there is no snapshot then
 
     def collect(self):
-        s, labels = self.snapshot, [self.model_name]
-        if s is None:
+        """One sample per engine replica (`replica` label) of every engine number."""
+        snaps = self.snapshot
+        if not snaps:
             return
-        for key, (name, doc) in _GAUGES.items():
-            yield _family(GaugeMetricFamily, name, doc, labels, getattr(s, key))
-        for key, (name, doc) in _COUNTERS.items():
-            yield _family(CounterMetricFamily, name, doc, labels, getattr(s, key))
+        name = self.model_name
+        for key, (metric, doc) in _GAUGES.items():
+            yield _family(GaugeMetricFamily, metric, doc, name, snaps, key)
+        for key, (metric, doc) in _COUNTERS.items():
+            yield _family(CounterMetricFamily, metric, doc, name, snaps, key)
         done = CounterMetricFamily(
             "nanovllm:request_success",
             "Finished requests by finish reason.",
-            labels=["model_name", "finished_reason"],
+            labels=["model_name", "replica", "finished_reason"],
         )
-        for reason, count in s.finished.items():
-            done.add_metric([self.model_name, reason], count)
+        for i, s in snaps:
+            for reason, count in s.finished.items():
+                done.add_metric([name, str(i), reason], count)
         yield done
-        ev = s.kv_block_events
         hits = CounterMetricFamily(
             "nanovllm:prefix_cache_hit_blocks",
             "Cached prefix blocks of admitted prompts, by tier (host: copied back).",
-            labels=["model_name", "tier"],
+            labels=["model_name", "replica", "tier"],
         )
-        hits.add_metric([self.model_name, "device"], ev["hit_device"])
-        hits.add_metric([self.model_name, "host"], ev["hit_host"])
-        yield hits
         copies = CounterMetricFamily(
             "nanovllm:kv_blocks_copied",
             "KV blocks copied between the device and the host tier, by why.",
-            labels=["model_name", "kind"],
+            labels=["model_name", "replica", "kind"],
         )
-        for kind in ("swapped_out", "swapped_in", "offloaded"):
-            copies.add_metric([self.model_name, kind], ev[kind])
+        for i, s in snaps:
+            ev = s.kv_block_events
+            hits.add_metric([name, str(i), "device"], ev["hit_device"])
+            hits.add_metric([name, str(i), "host"], ev["hit_host"])
+            for kind in ("swapped_out", "swapped_in", "offloaded"):
+                copies.add_metric([name, str(i), kind], ev[kind])
+        yield hits
         yield copies
 
 
-def _family(cls, name: str, doc: str, labels: list[str], value: float):
-    family = cls(name, doc, labels=["model_name"])
-    family.add_metric(labels, value)
+def _family(cls, metric: str, doc: str, model: str, snaps, key: str):
+    family = cls(metric, doc, labels=["model_name", "replica"])
+    for i, s in snaps:
+        family.add_metric([model, str(i)], getattr(s, key))
     return family
 
 
@@ -118,8 +123,9 @@ class Metrics:
             "nanovllm:request_queue_time_seconds", "Time waiting before first scheduled.", _LATENCY
         )
 
-    def render(self, snapshot: EngineStats | None) -> bytes:
-        """The text exposition, with the engine numbers of `snapshot` (None: leave them out)."""
+    def render(self, snapshot: list[tuple[int, EngineStats]] | None) -> bytes:
+        """The text exposition, with the engine numbers of each replica's snapshot (None:
+        leave them out)."""
         self._engine.snapshot = snapshot
         try:
             return generate_latest(self.registry)

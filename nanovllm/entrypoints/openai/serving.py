@@ -12,7 +12,6 @@ from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.core.validation import as_token_ids, check_prompt
 from nanovllm.engine.chat_template import ChatTemplate, render_plain_contents
 from nanovllm.engine.tokenizer import Tokenizer
-from nanovllm.entrypoints.openai.engine_client import EngineClient
 from nanovllm.entrypoints.openai.errors import APIError
 from nanovllm.entrypoints.openai.metrics import Metrics
 from nanovllm.entrypoints.openai.protocol import (
@@ -21,6 +20,7 @@ from nanovllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     flatten_messages,
 )
+from nanovllm.entrypoints.openai.replicas import ReplicaSet
 
 MAX_N = 16  # completions per request, also capped by max_num_seqs
 GenerateRequest = CompletionRequest | ChatCompletionRequest
@@ -58,7 +58,7 @@ class ServerConfig:
 class Server:
     """What the routes share: the engine client, the tokenizer, limits and metrics."""
 
-    def __init__(self, client: EngineClient, tokenizer: Tokenizer, config: ServerConfig) -> None:
+    def __init__(self, client: ReplicaSet, tokenizer: Tokenizer, config: ServerConfig) -> None:
         self.client, self.tokenizer, self.config = client, tokenizer, config
         self.model_name = config.served_model_name
         self.max_model_len: int = client.info.max_model_len

@@ -1,0 +1,179 @@
+"""Data parallelism in one server (`--data-parallel-size N`): N engine processes, each a
+whole engine on its own GPU (or a share of the CPU's cores), behind one front end.
+
+`ReplicaSet` has the interface the routes use (`add`, `release`, `stats`, `alive`, `info`,
+`attach`, `shutdown`, `on_death`), so one engine is a set of one. Each request goes to one
+replica:
+- prefix affinity: the chained hashes of the prompt's leading blocks (the prefix cache's
+  key, core/block_manager.py) remember which replica last took them; the replica that holds
+  the longest known prefix gets the request,
+- unless it is overloaded: more requests in flight than the least loaded live replica plus
+  AFFINITY_SLACK; then the least loaded takes it (and the prefix is remembered there); a
+  prompt with no remembered prefix goes to the least loaded, ties taking turns.
+A replica whose process dies is taken out of placement (its requests in flight end with an
+error), `/health` names it and stays 200 while another serves; when the last one dies the
+server exits, as with one engine.
+"""
+
+import asyncio
+import logging
+import os
+from collections import OrderedDict
+
+from nanovllm.core.block_manager import hash_block
+from nanovllm.engine.messages import AddRequest, EngineProcessConfig, EngineStats
+from nanovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError
+
+log = logging.getLogger("nanovllm.server")
+
+AFFINITY_SLACK = 4  # requests in flight a replica may have beyond the least loaded one
+AFFINITY_BLOCKS = 64  # leading blocks of a prompt remembered per placement
+AFFINITY_ENTRIES = 200_000  # prefix hashes remembered in all (least recently used go)
+
+
+class ReplicaSet:
+    def __init__(self, clients: list[EngineClient]) -> None:
+        self.clients = clients
+        self.info = clients[0].info
+        self.block_size = self.info.block_size
+        self.load = [0] * len(clients)  # requests added and not yet released, per replica
+        self._owner: dict[str, int] = {}  # request id -> replica
+        self._affinity: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica
+        self._turn = 0
+        self.on_death = None  # called once the last replica is gone (launch.py)
+
+    @classmethod
+    def start(cls, config: EngineProcessConfig, size: int = 1) -> "ReplicaSet":
+        """Spawn `size` engine processes, one GPU each (CUDA_VISIBLE_DEVICES) on a GPU
+        machine, else an equal share of the CPU's threads; block until all are ready."""
+        if size == 1:
+            return cls([EngineClient.start(config)])
+        import dataclasses
+
+        import torch
+
+        clients: list[EngineClient] = []
+        env = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = env.split(",") if env else [str(i) for i in range(torch.cuda.device_count())]
+        engine = config.engine
+        on_gpu = engine.device == "cuda" or (engine.device == "auto" and gpus)
+        if on_gpu and len(gpus) < size:
+            from nanovllm.core.errors import ConfigError
+
+            raise ConfigError(f"--data-parallel-size {size} needs {size} GPUs; "
+                              f"{len(gpus)} are visible")
+        if not on_gpu and engine.num_threads is None:
+            threads = max(1, (os.cpu_count() or 1) // size)
+            config = dataclasses.replace(config, engine=dataclasses.replace(
+                engine, num_threads=threads))
+        try:
+            for i in range(size):
+                if on_gpu:  # the child reads its environment when it starts
+                    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[i]
+                clients.append(EngineClient.start(config))
+        except BaseException:
+            for c in clients:
+                c.shutdown()
+            raise
+        finally:
+            if on_gpu:
+                if env is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = env
+        return cls(clients)
+
+    # ---- what the routes use ------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return any(c.alive for c in self.clients)
+
+    @property
+    def error(self) -> str | None:
+        return None if self.alive else self.clients[0].error
+
+    def down(self) -> dict[int, str]:
+        """The replicas that are gone, and why."""
+        return {i: c.error or "the engine process has exited"
+                for i, c in enumerate(self.clients) if not c.alive}
+
+    def attach(self) -> None:
+        for i, c in enumerate(self.clients):
+            c.on_death = lambda reason, i=i: self._replica_died(i, reason)
+            c.attach()
+
+    async def add(self, req: AddRequest, out: asyncio.Queue) -> None:
+        i = self.place(req.prompt_token_ids)
+        self._owner[req.request_id] = i
+        self.load[i] += 1
+        try:
+            await self.clients[i].add(req, out)
+        except BaseException:
+            self._forget(req.request_id)
+            raise
+
+    def release(self, request_id: str, abort: bool) -> None:
+        i = self._forget(request_id)
+        if i is not None:
+            self.clients[i].release(request_id, abort)
+
+    async def stats(self, timeout: float = 5.0) -> list[tuple[int, EngineStats]]:
+        """Each live replica's snapshot, by replica index."""
+        live = [i for i, c in enumerate(self.clients) if c.alive]
+        got = await asyncio.gather(*(self.clients[i].stats(timeout) for i in live),
+                                   return_exceptions=True)
+        snaps = [(i, s) for i, s in zip(live, got) if isinstance(s, EngineStats)]
+        if not snaps:
+            raise EngineDeadError(self.error or "no engine replica answered")
+        return snaps
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        for c in self.clients:
+            c.shutdown(timeout)
+
+    # ---- placement ------------------------------------------------------------------------
+
+    def place(self, prompt: list[int]) -> int:
+        """The replica for a prompt (see the module docstring)."""
+        live = [i for i, c in enumerate(self.clients) if c.alive]
+        if not live:
+            raise EngineDeadError(self.error or "every engine replica has exited")
+        if len(self.clients) == 1:
+            return live[0]
+        fewest = min(self.load[i] for i in live)
+        idle = [i for i in live if self.load[i] == fewest]
+        self._turn += 1
+        least = idle[self._turn % len(idle)]  # ties take turns
+        bs = self.block_size
+        hashes, h = [], 0
+        for start in range(0, min(len(prompt) // bs, AFFINITY_BLOCKS) * bs, bs):
+            h = hash_block(prompt[start : start + bs], h)
+            hashes.append(h)
+        home = None
+        for h in reversed(hashes):  # the longest remembered prefix
+            i = self._affinity.get(h)
+            if i is not None and self.clients[i].alive:
+                home = i
+                break
+        chosen = home if home is not None and (
+            self.load[home] <= self.load[least] + AFFINITY_SLACK) else least
+        for h in hashes:
+            self._affinity[h] = chosen
+            self._affinity.move_to_end(h)
+        while len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
+        return chosen
+
+    def _forget(self, request_id: str) -> int | None:
+        i = self._owner.pop(request_id, None)
+        if i is not None:
+            self.load[i] -= 1
+        return i
+
+    def _replica_died(self, i: int, reason: str) -> None:
+        if len(self.clients) > 1:
+            log.error("engine replica %d is gone (%s); %d of %d still serve", i, reason,
+                      sum(c.alive for c in self.clients), len(self.clients))
+        if not self.alive and self.on_death is not None:
+            self.on_death(reason)
