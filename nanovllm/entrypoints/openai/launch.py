@@ -47,8 +47,9 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
     if server.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size {server.data_parallel_size} is invalid; "
                           "use 1 or more engine processes")
-    log.info("starting %d engine process%s (model %s)", server.data_parallel_size,
-             "es" if server.data_parallel_size > 1 else "", engine.model or "default")
+    n = server.data_parallel_size
+    log.info("starting the engine process%s (model %s)",
+             f"es ({n}, data parallel)" if n > 1 else "", engine.model or "default")
     client = ReplicaSet.start(engine, server.data_parallel_size)
     try:
         config = ServerConfig(
