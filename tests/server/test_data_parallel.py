@@ -81,3 +81,12 @@ def test_replicas_share_the_load_keep_prefixes_together_and_survive_a_death(dp_s
         assert resp.status_code == 200, resp.text
     samples = scrape(srv)
     assert len({ls for ls in samples["nanovllm:num_requests_running"]}) == 1  # one replica left
+
+
+def test_each_replica_publishes_kv_events_on_its_own_port():
+    from nanovllm.entrypoints.openai.replicas import offset_port
+
+    assert offset_port("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_port("tcp://*:5557", 1) == "tcp://*:5558"
+    assert offset_port("tcp://127.0.0.1:6000", 3) == "tcp://127.0.0.1:6003"
+    assert offset_port("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"

@@ -70,7 +70,12 @@ class ReplicaSet:
             for i in range(size):
                 if on_gpu:  # the child reads its environment when it starts
                     os.environ["CUDA_VISIBLE_DEVICES"] = gpus[i]
-                clients.append(EngineClient.start(config))
+                own = config
+                if config.engine.kv_events_endpoint:  # one socket each: port + replica
+                    own = dataclasses.replace(config, engine=dataclasses.replace(
+                        config.engine,
+                        kv_events_endpoint=offset_port(config.engine.kv_events_endpoint, i)))
+                clients.append(EngineClient.start(own))
         except BaseException:
             for c in clients:
                 c.shutdown()
@@ -177,3 +182,14 @@ class ReplicaSet:
                       sum(c.alive for c in self.clients), len(self.clients))
         if not self.alive and self.on_death is not None:
             self.on_death(reason)
+
+
+def offset_port(endpoint: str, i: int) -> str:
+    """Replica i's KV-event address: a tcp port + i, as vLLM offsets its data-parallel
+    ranks' ("tcp://*:5557" -> "tcp://*:5558" for replica 1); other transports get a suffix."""
+    if i == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit():
+        return f"{head}:{int(port) + i}"
+    return f"{endpoint}_dp{i}"
