@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from tests.server.harness import ServerProcess
+from tests.server.harness import ServerProcess, metric, scrape
 
 # ~500 steps of the tiny model: the engine is killed while both requests still run
 LONG = {"prompt": [5, 6, 7, 8], "max_tokens": 500, "ignore_eos": True, "temperature": 0.0}
@@ -40,6 +40,12 @@ def test_engine_death_fails_what_is_in_flight_and_exits_non_zero(tiny_llama, tmp
         reader = threading.Thread(target=stream)
         reader.start()
         assert started.wait(60), "the stream never started"
+        # both requests in the engine before it dies (the plain one may still be on its way:
+        # a request the engine never accepted gets its 503 but no log line)
+        deadline = time.monotonic() + 30
+        while metric(scrape(srv), "nanovllm:num_requests_running") < 2:
+            assert time.monotonic() < deadline, "the two requests never ran together"
+            time.sleep(0.05)
         srv.known_children |= set(srv.descendants())
         killed_at = time.monotonic()
         os.kill(srv.engine_pid(), signal.SIGKILL)
