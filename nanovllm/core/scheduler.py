@@ -126,6 +126,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0  # of those, by swap
         self.preempted: list[tuple[Sequence, str]] = []  # this step's, with "swap"/"recompute"
+        # admission headroom of the step being scheduled: (worst running priority, blocks
+        # the running sequences still need); None until asked, and after a preemption
+        self._reserve: tuple[int, int] | None = None
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found there
 
@@ -175,6 +178,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         bm = self.block_manager
+        self._reserve = None  # running changed: _has_headroom sums it again
         holds = bm.swap_out(seq) if self._swap_pays(seq) else None
         self.running.remove(seq)
         bm.free(seq)
@@ -278,6 +282,7 @@ class Scheduler:
 
     def _schedule_fair(self) -> ScheduledBatch:
         bm = self.block_manager
+        self._reserve = None
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
         preempted = False
@@ -336,6 +341,9 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if self._reserve is not None:  # its chunk is allocated: what it still needs
+                worst, reserved = self._reserve
+                self._reserve = (max(worst, seq.priority), reserved + self._growth(seq))
             seq.num_scheduled_tokens = n
             budget -= n
             scheduled.append(seq)
@@ -361,13 +369,20 @@ class Scheduler:
         """Whether admitting `seq` leaves its whole prompt and every running sequence's next
         admission_headroom tokens room in the free blocks (see the class docstring)."""
         h = self.admission_headroom
-        if not h or not self.running or seq.priority < max(s.priority for s in self.running):
+        if not h or not self.running:
             return True
-        bm = self.block_manager
-        need = bm.blocks_needed(seq, seq.num_tokens - seq.num_computed_tokens + h)
-        for s in self.running:
-            need += bm.blocks_needed(s, s.num_tokens - s.num_computed_tokens + h)
-        return need <= bm.num_free_blocks
+        if self._reserve is None:  # once a step (and after a preemption), not per prompt
+            self._reserve = (max(s.priority for s in self.running),
+                             sum(self._growth(s) for s in self.running))
+        worst, reserved = self._reserve
+        if seq.priority < worst:
+            return True
+        return self._growth(seq) + reserved <= self.block_manager.num_free_blocks
+
+    def _growth(self, seq: Sequence) -> int:
+        """Blocks `seq` still needs for its prompt and admission_headroom more tokens."""
+        n = seq.num_tokens - seq.num_computed_tokens + self.admission_headroom
+        return self.block_manager.blocks_needed(seq, n)
 
     def _preempt_for(self, seq: Sequence, scheduled: list[Sequence]) -> bool:
         """Make room for waiting `seq` by preempting one running sequence of strictly worse
