@@ -5,7 +5,6 @@ by length. Each step prints one line and, given a trace file, writes the record 
 EngineTrace writes (nanovllm/core/trace.py), so `nanovllm trace FILE` draws it."""
 
 import argparse
-import dataclasses
 from collections.abc import Callable, Iterable
 
 from nanovllm.core.block_manager import BlockManager
@@ -13,7 +12,7 @@ from nanovllm.core.config import ResolvedConfig
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.core.scheduler import Scheduler
 from nanovllm.core.sequence import Sequence
-from nanovllm.core.trace import StepTrace
+from nanovllm.core.trace import SchedulerTrace
 
 
 def parse_args(doc: str | None) -> argparse.Namespace:
@@ -46,16 +45,9 @@ class StubRunner:
         self.scheduler = Scheduler(self.config, self.block_manager)  # no EOS: ends by length
         self.next_token = next_token
         self.names: dict[int, str] = {}  # seq id -> its name, which is also its request id
-        self.live: dict[int, Sequence] = {}  # not finished yet
-        self.events = dict(self.block_manager.events)
         self.num_steps = 0
-        self.trace = StepTrace(trace) if trace else None
-        if self.trace:
-            c = self.config
-            self.trace.header(block_size=c.block_size, num_kv_blocks=c.num_kv_blocks,
-                              num_host_blocks=c.num_host_blocks, max_num_seqs=c.max_num_seqs,
-                              max_num_batched_tokens=c.max_num_batched_tokens,
-                              config=dataclasses.asdict(c))
+        # the engine's recorder; without a file it only builds each step's record to print
+        self.trace = SchedulerTrace(trace, self.config, self.scheduler, self.block_manager)
 
     def add(self, name: str, num_tokens: int, max_tokens: int = 4, priority: int = 0) -> Sequence:
         """Queue a request of `num_tokens` prompt tokens (distinct per request: no prefix hits)."""
@@ -63,10 +55,9 @@ class StubRunner:
         first = 1_000_000 * (seq_id + 1)
         seq = Sequence(seq_id, list(range(first, first + num_tokens)),
                        SamplingParams(max_tokens=max_tokens), priority=priority)
-        self.names[seq_id], self.live[seq_id] = name, seq
+        self.names[seq_id] = name
         self.scheduler.add(seq)
-        if self.trace:
-            self.trace.arrived(name, seq_id, num_tokens, priority)
+        self.trace.arrived(name, seq)
         return seq
 
     def queue(self, seqs: Iterable[Sequence]) -> str:
@@ -75,36 +66,22 @@ class StubRunner:
     def step(self) -> list[dict]:
         """One engine step: schedule, the stub forward pass, advance, resolve. Prints its line,
         writes its trace record, and returns its rows (as the trace has them)."""
-        sched, bm, trace = self.scheduler, self.block_manager, self.trace
-        t0 = trace.now() if trace else 0.0
+        sched, trace = self.scheduler, self.trace
+        start = trace.begin()
         batch = sched.schedule()
-        rows = [{"req": self.names[s.seq_id], "seq": s.seq_id, "tokens": s.num_scheduled_tokens,
-                 "kind": "prefill" if s.in_prefill else "decode",
-                 "start": s.num_computed_tokens, "total": s.num_tokens} for s in batch.seqs]
-        preempted = [{"req": self.names[s.seq_id], "seq": s.seq_id, "kind": kind}
-                     for s, kind in sched.preempted]
-        usage = bm.usage()  # as scheduled, like EngineTrace.scheduled
+        trace.scheduled(batch)
         tokens = [self.next_token(s) for s in batch.sampling_seqs]  # the "model"
         sched.advance(batch)
         sched.resolve(batch.sampling_seqs, tokens)
-        finished = [s for s in self.live.values() if s.is_finished]
-        for s in finished:
-            del self.live[s.seq_id]
-        events = dict(bm.events)
-        delta = {k: v - self.events[k] for k, v in events.items()}
-        self.events = events
-        if trace:
-            for s in finished:
-                trace.finished(self.names[s.seq_id], s.seq_id, str(s.finish_reason),
-                               s.num_output_tokens)
-            trace.step(t0, trace.now() - t0, rows, len(sched.waiting), len(sched.running),
-                       usage, delta, preempted)
-        print(self.describe(rows, usage, preempted, finished))
+        record = trace.end(start)
+        print(self.describe(record))
         self.num_steps += 1
-        return rows
+        return record["rows"]
 
-    def describe(self, rows, usage, preempted, finished) -> str:
+    def describe(self, record: dict) -> str:
         """The step's line: rows, queues as the step ends, KV blocks as scheduled, events."""
+        rows, preempted, finished = record["rows"], record["preempted"], record["finished"]
+        usage = record["kv"]
         work = ", ".join(f"{r['req']} {r['kind']} {r['tokens']} "
                          f"({r['start']}->{r['start'] + r['tokens']})" for r in rows)
         dev = usage["device"]
@@ -117,8 +94,7 @@ class StubRunner:
         if preempted:
             line += " | preempted " + ", ".join(f"{p['req']} ({p['kind']})" for p in preempted)
         if finished:
-            line += " | finished " + ", ".join(
-                f"{self.names[s.seq_id]} ({s.finish_reason})" for s in finished)
+            line += " | finished " + ", ".join(f"{f['req']} ({f['reason']})" for f in finished)
         return line
 
     def run(self, max_steps: int = 10_000) -> None:
@@ -129,5 +105,4 @@ class StubRunner:
             self.step()
 
     def close(self) -> None:
-        if self.trace:
-            self.trace.close()
+        self.trace.close()

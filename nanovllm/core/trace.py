@@ -29,12 +29,19 @@ run.jsonl -o run.html` renders it (nanovllm/trace/). The format, version 1:
   copied for preempted sequences, "offloaded" cached blocks copied to the host tier as they
   left the device.
 
-No torch here: a stub runner (examples/) writes the same trace as the engine.
+No torch here: `SchedulerTrace` records a Scheduler and its BlockManager, for the engine
+and for the examples' stub runner alike.
 """
 
+import dataclasses
 import json
 import time
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nanovllm.core.block_manager import BlockManager
+    from nanovllm.core.scheduler import ScheduledBatch, Scheduler
+    from nanovllm.core.sequence import Sequence
 
 VERSION = 1
 BLOCK_EVENTS = ("allocated", "freed", "hit_device", "hit_host", "swapped_out", "swapped_in",
@@ -69,11 +76,12 @@ def read_trace(path: str) -> tuple[dict, list[dict]]:
 
 class StepTrace:
     """Writes a trace: `header(...)` once, then `step(...)` per step; line-buffered, so a
-    trace of a server that is killed still holds every step it finished."""
+    trace of a server that is killed still holds every step it finished. Without a target
+    it writes nothing (the records are still returned)."""
 
-    def __init__(self, target: str | IO[str]) -> None:
+    def __init__(self, target: str | IO[str] | None) -> None:
         if isinstance(target, str):
-            self._file: IO[str] = open(target, "w", encoding="utf-8", buffering=1)
+            self._file: IO[str] | None = open(target, "w", encoding="utf-8", buffering=1)
             self._owned = True
         else:
             self._file, self._owned = target, False
@@ -99,7 +107,7 @@ class StepTrace:
                                "output_tokens": output_tokens})
 
     def step(self, t: float, dur: float, rows: list[dict], waiting: int, running: int,
-             kv: dict, blocks: dict, preempted: list[dict]) -> None:
+             kv: dict, blocks: dict, preempted: list[dict]) -> dict:
         record = {"type": "step", "step": self.num_steps, "t": round(t, 6),
                   "dur": round(dur, 6), "rows": rows, "waiting": waiting, "running": running,
                   "kv": kv, "blocks": blocks, "preempted": preempted,
@@ -107,10 +115,72 @@ class StepTrace:
         self._arrived, self._finished = [], []
         self.num_steps += 1
         self._write(record)
+        return record
 
     def _write(self, record: dict) -> None:
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        if self._file is not None:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
         if self._owned and not self._file.closed:
             self._file.close()
+
+
+class SchedulerTrace:
+    """The step trace of a Scheduler and its BlockManager: each step's rows as scheduled
+    (`scheduled`, before advance clears the counts), preemptions, KV blocks per tier, block
+    events, arrivals and finishes (`end`). LLMEngine records one when `trace` is set; the
+    examples' stub runner records one to print its steps."""
+
+    def __init__(self, target: str | IO[str] | None, config, scheduler: "Scheduler",
+                 block_manager: "BlockManager") -> None:
+        self.scheduler, self.block_manager = scheduler, block_manager
+        self.out = StepTrace(target)
+        self.out.header(block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
+                        num_host_blocks=config.num_host_blocks,
+                        max_num_seqs=config.max_num_seqs,
+                        max_num_batched_tokens=config.max_num_batched_tokens,
+                        config=dataclasses.asdict(config))
+        self.live: dict[int, tuple[str, Sequence]] = {}  # seq id -> (request, sequence)
+        self.events = dict(block_manager.events)
+        self.rows: list[dict] = []
+        self.preempted: list[dict] = []
+        self.usage: dict = {}
+
+    def arrived(self, request_id: str, seq: "Sequence") -> None:
+        self.live[seq.seq_id] = (request_id, seq)
+        self.out.arrived(request_id, seq.seq_id, seq.num_prompt_tokens, seq.priority)
+
+    def begin(self) -> float:
+        return self.out.now()
+
+    def scheduled(self, batch: "ScheduledBatch") -> None:
+        req = lambda seq: self.live.get(seq.seq_id, ("?", None))[0]
+        self.rows = [
+            {"req": req(s), "seq": s.seq_id, "tokens": s.num_scheduled_tokens,
+             "kind": "prefill" if s.in_prefill else "decode",
+             "start": s.num_computed_tokens, "total": s.num_tokens}
+            for s in batch.seqs
+        ]
+        self.preempted = [{"req": req(s), "seq": s.seq_id, "kind": kind}
+                          for s, kind in self.scheduler.preempted]
+        self.usage = self.block_manager.usage()
+
+    def end(self, start: float) -> dict:
+        """The step that began at `start` is done: its record, written and returned."""
+        out = self.out
+        for seq_id, (request_id, seq) in list(self.live.items()):
+            if seq.is_finished:
+                out.finished(request_id, seq_id, str(seq.finish_reason), seq.num_output_tokens)
+                del self.live[seq_id]
+        events = self.block_manager.events
+        delta = {k: v - self.events[k] for k, v in events.items()}
+        self.events = dict(events)
+        sched = self.scheduler
+        record = out.step(start, out.now() - start, self.rows, len(sched.waiting),
+                          len(sched.running), self.usage, delta, self.preempted)
+        self.rows, self.preempted = [], []
+        return record
+
+    def close(self) -> None:
+        self.out.close()

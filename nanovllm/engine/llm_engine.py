@@ -11,7 +11,7 @@ from nanovllm.core.errors import ConfigError, InvalidRequestError
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import FinishReason, Sequence
-from nanovllm.core.trace import StepTrace
+from nanovllm.core.trace import SchedulerTrace
 from nanovllm.core.validation import as_token_ids, check_prompt
 from nanovllm.engine.output_processor import OutputProcessor, Request
 from nanovllm.engine.outputs import RequestOutput
@@ -83,9 +83,9 @@ class LLMEngine:
         self.num_steps = 0
         self.times = StepTimes()
         self.timing = self.times.totals
-        self.trace: EngineTrace | None = None
+        self.trace: SchedulerTrace | None = None
         if config.trace:
-            self.trace = EngineTrace(config.trace, self)
+            self.trace = SchedulerTrace(config.trace, cfg, self.scheduler, self.block_manager)
 
     @property
     def max_model_len(self) -> int:
@@ -250,58 +250,6 @@ class LLMEngine:
                 for seq in req.seqs:
                     del self._owner[seq.seq_id]
         return outputs
-
-
-class EngineTrace:
-    """The step trace (core/trace.py) of one engine: what each step ran, the queues, the
-    blocks of both tiers, preemptions, arrivals and finishes."""
-
-    def __init__(self, path: str, engine: LLMEngine) -> None:
-        cfg = engine.config
-        self.engine = engine
-        self.out = StepTrace(path)
-        self.out.header(block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
-                        num_host_blocks=cfg.num_host_blocks, max_num_seqs=cfg.max_num_seqs,
-                        max_num_batched_tokens=cfg.max_num_batched_tokens,
-                        config=dataclasses.asdict(cfg))
-        self.live: dict[int, tuple[str, Sequence]] = {}  # seq id -> (request id, sequence)
-        self.events = dict(engine.block_manager.events)
-        self.rows: list[dict] = []
-        self.preempted: list[dict] = []
-
-    def arrived(self, request_id: str, seq: Sequence) -> None:
-        self.live[seq.seq_id] = (request_id, seq)
-        self.out.arrived(request_id, seq.seq_id, seq.num_prompt_tokens, seq.priority)
-
-    def begin(self) -> float:
-        return self.out.now()
-
-    def scheduled(self, batch: ScheduledBatch) -> None:
-        """The rows as scheduled (advance clears the counts) and this step's preemptions."""
-        req = lambda seq: self.live.get(seq.seq_id, ("?", None))[0]
-        self.rows = [
-            {"req": req(s), "seq": s.seq_id, "tokens": s.num_scheduled_tokens,
-             "kind": "prefill" if s.in_prefill else "decode",
-             "start": s.num_computed_tokens, "total": s.num_tokens}
-            for s in batch.seqs
-        ]
-        self.preempted = [{"req": req(s), "seq": s.seq_id, "kind": kind}
-                          for s, kind in self.engine.scheduler.preempted]
-        self.usage = self.engine.block_manager.usage()
-
-    def end(self, start: float) -> None:
-        engine, out = self.engine, self.out
-        for seq_id, (request_id, seq) in list(self.live.items()):
-            if seq.is_finished:
-                out.finished(request_id, seq_id, str(seq.finish_reason), seq.num_output_tokens)
-                del self.live[seq_id]
-        events = engine.block_manager.events
-        delta = {k: v - self.events[k] for k, v in events.items()}
-        self.events = dict(events)
-        sched = engine.scheduler
-        out.step(start, out.now() - start, self.rows, len(sched.waiting), len(sched.running),
-                 self.usage, delta, self.preempted)
-        self.rows, self.preempted = [], []
 
 
 class StepTimes:
