@@ -69,11 +69,8 @@ def run(model: Path, options: dict, prompts: list[list[int]], max_tokens: int,
     """One engine; the prompts streamed at each arrival rate in turn (requests/s, Poisson,
     the same draw for every engine; 0: all at once), each from a cold cache in both tiers.
     Returns {rate: figures and outputs}."""
-    engine = LLMEngine(str(model), **options)
+    engine = warm_engine(model, options, 16)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    engine.add_request([5] * 16, SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    while engine.has_unfinished_requests():
-        engine.step()
     results = {}
     for rate in rates:
         gaps = random.Random(1)
@@ -87,11 +84,26 @@ def run(model: Path, options: dict, prompts: list[list[int]], max_tokens: int,
     cost = engine.runner.preemption_cost
     for r in results.values():
         r["copy_gb_s"] = cost.copy_bytes_per_s / 1e9 if cost else None
-    del engine
+    dispose(engine)
+    return results
+
+
+def warm_engine(model: Path, options: dict, warm_len: int) -> LLMEngine:
+    """A fresh engine that has run one `warm_len`-token prompt (at a workload's full length,
+    its prefill kernels compile here, not in the timed run)."""
+    engine = LLMEngine(str(model), **options)
+    engine.add_request([5] * warm_len, SamplingParams(temperature=0, max_tokens=4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine
+
+
+def dispose(engine: LLMEngine) -> None:
+    """Free an engine's device memory before the next one starts."""
+    engine.runner = engine.block_manager = engine.scheduler = None
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return results
 
 
 def _timed(engine: LLMEngine, prompts, arrivals: list[float], params) -> dict:
@@ -140,12 +152,7 @@ def run_priority(model: Path, options: dict, lows: list[list[int]], highs: list[
     """Long low-priority requests run; once each has its first token a burst of
     high-priority ones arrives, preempts them all and takes their blocks; the low ones
     then resume: by recomputing their context or by copying it back."""
-    engine = LLMEngine(str(model), **options)
-    # warm-up at the workload's shapes (a full prefill chunk compiles its kernels here, not
-    # in the first engine's timed run)
-    engine.add_request([5] * len(lows[0]), SamplingParams(temperature=0, max_tokens=4))
-    while engine.has_unfinished_requests():
-        engine.step()
+    engine = warm_engine(model, options, len(lows[0]))
     assert engine.block_manager.reset_prefix_cache()
     low_p = SamplingParams(temperature=0, max_tokens=low_tokens, ignore_eos=True)
     high_p = SamplingParams(temperature=0, max_tokens=high_tokens, ignore_eos=True)
@@ -177,10 +184,7 @@ def run_priority(model: Path, options: dict, lows: list[list[int]], highs: list[
         "copy_gb_s": engine.runner.preemption_cost.copy_bytes_per_s / 1e9
         if engine.runner.preemption_cost else None,
     }
-    del engine, sched
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    dispose(engine)
     return result
 
 
