@@ -16,11 +16,13 @@ server exits, as with one engine.
 """
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections import OrderedDict
 
 from nanovllm.core.block_manager import hash_block
+from nanovllm.core.errors import ConfigError
 from nanovllm.engine.messages import AddRequest, EngineProcessConfig, EngineStats
 from nanovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError
 
@@ -48,9 +50,7 @@ class ReplicaSet:
         machine, else an equal share of the CPU's threads; block until all are ready."""
         if size == 1:
             return cls([EngineClient.start(config)])
-        import dataclasses
-
-        import torch
+        import torch  # only here: one engine needs no torch in the front end
 
         clients: list[EngineClient] = []
         env = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -58,8 +58,6 @@ class ReplicaSet:
         engine = config.engine
         on_gpu = engine.device == "cuda" or (engine.device == "auto" and gpus)
         if on_gpu and len(gpus) < size:
-            from nanovllm.core.errors import ConfigError
-
             raise ConfigError(f"--data-parallel-size {size} needs {size} GPUs; "
                               f"{len(gpus)} are visible")
         if not on_gpu and engine.num_threads is None:
