@@ -1,6 +1,8 @@
-"""The host tier of the KV cache: slots in host memory for blocks copied off the device."""
+"""The host tier of the KV cache: slots in host memory for blocks copied off the device, and
+what copying a preempted sequence there costs against recomputing it."""
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from nanovllm.core.kv_block import Block
 
@@ -94,3 +96,24 @@ class HostTier:
             assert (b.ref_count == 0) == (b.block_id in self.free)
         for h, slot in self.hash_to_block.items():
             assert self.blocks[slot].hash == h
+
+
+@dataclass(frozen=True)
+class PreemptionCost:
+    """What preempting a sequence costs each way, from rates the runner measured at start-up
+    (worker/kv_cache.py, measure_preemption_cost): swapping copies its full blocks out and
+    back in; recomputing runs its tokens through the model again, a prefill whose
+    attention grows with the square of its length."""
+
+    block_bytes: int  # one block's K and V over all layers
+    copy_bytes_per_s: float  # device <-> host, each way
+    flops_per_token: float  # 2 x parameters
+    attention_flops: float  # x n^2 for an n-token causal prefill
+    flops_per_s: float  # the device's rate on the model's matmuls
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        return 2 * num_blocks * self.block_bytes / self.copy_bytes_per_s
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        n = num_tokens
+        return (self.flops_per_token * n + self.attention_flops * n * n) / self.flops_per_s

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.config import ResolvedConfig
+from nanovllm.core.host_tier import PreemptionCost
 from nanovllm.core.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 
@@ -44,27 +45,6 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
-@dataclass(frozen=True)
-class PreemptionCost:
-    """What preempting a sequence costs each way, from rates the runner measured at start-up
-    (worker/kv_cache.py, measure_preemption_cost): swapping copies its full blocks out and
-    back in; recomputing runs its tokens through the model again, a prefill whose
-    attention grows with the square of its length."""
-
-    block_bytes: int  # one block's K and V over all layers
-    copy_bytes_per_s: float  # device <-> host, each way
-    flops_per_token: float  # 2 x parameters
-    attention_flops: float  # x n^2 for an n-token causal prefill
-    flops_per_s: float  # the device's rate on the model's matmuls
-
-    def swap_seconds(self, num_blocks: int) -> float:
-        return 2 * num_blocks * self.block_bytes / self.copy_bytes_per_s
-
-    def recompute_seconds(self, num_tokens: int) -> float:
-        n = num_tokens
-        return (self.flops_per_token * n + self.attention_flops * n * n) / self.flops_per_s
-
-
 class Scheduler:
     """Decides which tokens of which sequences run each step, under a token and KV budget.
 
@@ -97,7 +77,7 @@ class Scheduler:
     not fit in the free blocks, unless nothing runs or it outranks running work; a burst
     then queues instead of being admitted and preempted a few steps later.
 
-    One class of ~350 lines: both policies, preemption, priorities and admission act on
+    One class of ~390 lines: both policies, preemption, priorities and admission act on
     the same two queues and block tables, and their invariants (tests/core) bind them all.
     """
 

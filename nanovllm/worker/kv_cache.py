@@ -19,7 +19,7 @@ from torch import nn
 
 from nanovllm.core.config import ResolvedConfig
 from nanovllm.core.errors import ConfigError
-from nanovllm.core.scheduler import PreemptionCost
+from nanovllm.core.host_tier import PreemptionCost
 from nanovllm.model.config import ModelConfig
 
 log = logging.getLogger("nanovllm")

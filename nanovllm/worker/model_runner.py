@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.core.config import ResolvedConfig
-from nanovllm.core.scheduler import PreemptionCost, ScheduledBatch
+from nanovllm.core.host_tier import PreemptionCost
+from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
 from nanovllm.kernels import select_kernels
 from nanovllm.model.config import ModelConfig

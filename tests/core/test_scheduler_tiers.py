@@ -3,7 +3,7 @@ recompute (mode and cost), what each step reports as preempted, and admission he
 
 import pytest
 
-from nanovllm.core.scheduler import PreemptionCost
+from nanovllm.core.host_tier import PreemptionCost
 from nanovllm.core.sequence import SequenceStatus
 from tests.core.scheduler_harness import FakeEngine, make_scheduler, prompt
 
