@@ -80,20 +80,15 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     build_tokenizer_files(path)
     config_cls = transformers.AutoConfig.for_model(spec.pop("model_type")).__class__
     architecture = spec.pop("architecture")
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     config = config_cls(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
         rms_norm_eps=1e-6,
         eos_token_id=2,
         bos_token_id=None,
         pad_token_id=0,
         architectures=[architecture],
-        **spec,
+        **dict(shape, **spec),
     )
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).float()

@@ -64,6 +64,9 @@ class EngineConfig:
     # format on this address, e.g. "tcp://*:5557" (engine/kv_events.py); None: off
     kv_events_endpoint: str | None = None
     kv_events_topic: str = ""
+    # shard the model over this many ranks (GPUs, or CPU processes), one process each; rank
+    # 0 is the engine's own process (worker/tensor_parallel.py)
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":
@@ -82,6 +85,8 @@ class EngineConfig:
             bad("scheduling_policy", f"choose one of {', '.join(POLICIES)}")
         if self.max_num_seqs < 1:
             bad("max_num_seqs", "use an integer >= 1")
+        if self.tensor_parallel_size < 1:
+            bad("tensor_parallel_size", "use an integer >= 1 (1: one device, no sharding)")
         if self.admission_batch is not None and not 1 <= self.admission_batch <= self.max_num_seqs:
             bad("admission_batch", f"use an integer in [1, max_num_seqs={self.max_num_seqs}]")
         if self.admission_max_delay < 0:
@@ -157,6 +162,7 @@ class ResolvedConfig:
     cpu_offload_gib: float = 0.0
     preemption_mode: str = "auto"
     num_host_blocks: int = 0  # swap_space + cpu_offload_gib in blocks, once the cache is sized
+    tensor_parallel_size: int = 1
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -177,6 +183,8 @@ class ResolvedConfig:
             f"host_kv={self.num_host_blocks}x{self.block_size} tokens "
             f"(swap {self.swap_space:g} GiB, offload {self.cpu_offload_gib:g} GiB, "
             f"preemption={self.preemption_mode})"
+            + (f" tensor_parallel={self.tensor_parallel_size}"
+               if self.tensor_parallel_size > 1 else "")
         )
 
 

@@ -26,6 +26,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks now (garbage collection and the process's
+        exit do it otherwise); a no-op for one device."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Seq[Prompt] | list[Message] | list[list[Message]],

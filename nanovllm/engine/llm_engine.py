@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import weakref
 
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.config import EngineConfig
@@ -19,6 +20,7 @@ from nanovllm.engine.resolve import fit_kv_cache, resolve_config
 from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.model.config import ModelConfig
 from nanovllm.model.loader.source import open_model
+from nanovllm.model.parallel import SINGLE
 from nanovllm.worker.model_runner import ModelRunner, StepHandle
 
 log = logging.getLogger("nanovllm")
@@ -50,7 +52,19 @@ class LLMEngine:
             self.model_config.eos_token_ids
         )
         resolved = resolve_config(config, self.model_config, source.gguf is not None)
-        self.runner = ModelRunner(resolved, source, self.model_config, self.eos_token_ids)
+        peers = None
+        if resolved.tensor_parallel_size > 1:
+            from nanovllm.worker.tensor_parallel import Peers
+
+            peers = Peers(source.path, resolved, self.eos_token_ids)
+            self._finalizer = weakref.finalize(self, peers.shutdown)
+        try:
+            self.runner = ModelRunner(resolved, source, self.model_config, self.eos_token_ids,
+                                      tp=peers.tp if peers else SINGLE, peers=peers)
+        except BaseException:
+            if peers is not None:
+                peers.shutdown()
+            raise
         self.config = fit_kv_cache(resolved, config, self.runner.measure_kv_blocks(),
                                    self.runner.measure_host_blocks())
         self.runner.setup(self.config)
@@ -90,6 +104,11 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (also done when the engine is
+        garbage-collected or the process exits); a no-op for one device."""
+        self.runner.shutdown()
 
     # ---- requests -----------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import torch
 from nanovllm.core.config import EngineConfig, ResolvedConfig
 from nanovllm.core.errors import ConfigError
 from nanovllm.model.config import ModelConfig
+from nanovllm.model.parallel import check_shardable
 
 GPU_ADMISSION_BATCH = 16  # with CUDA graphs, see EngineConfig.admission_batch
 GPU_SWAP_GIB = 4.0  # EngineConfig.swap_space on a GPU
@@ -55,13 +56,14 @@ def resolve_config(
         kernels=_kernels(config, cuda),
         attention_backend=_attention(config.attention_backend, cuda),
         seed=config.seed,
-        num_threads=config.num_threads,
+        num_threads=_threads(config, device),
         weight_format=_weight_format(config.weight_format, device, quantized_file),
         admission_headroom=config.admission_headroom,
         swap_space=(GPU_SWAP_GIB if cuda and config.enable_prefix_caching else 0.0)
         if config.swap_space is None else config.swap_space,
         cpu_offload_gib=config.cpu_offload_gib,
         preemption_mode=config.preemption_mode,
+        tensor_parallel_size=_tensor_parallel(config.tensor_parallel_size, device, model),
     )
 
 
@@ -140,3 +142,26 @@ def _attention(name: str, cuda: bool) -> str:
             "TRITON_INTERPRET=1); use 'auto' or 'torch'"
         )
     return name
+
+
+def _tensor_parallel(size: int, device: str, model: ModelConfig) -> int:
+    """The model must split evenly; one GPU per rank: on a GPU machine the local ranks need
+    that many (a launcher that sets WORLD_SIZE places ranks itself, possibly over several
+    hosts)."""
+    check_shardable(model.num_attention_heads, model.num_key_value_heads,
+                    model.intermediate_size, size)
+    if size > 1 and device == "cuda" and "WORLD_SIZE" not in os.environ:
+        have = torch.cuda.device_count()
+        if have < size:
+            raise ConfigError(
+                f"tensor_parallel_size={size} needs {size} GPUs, one per rank; this machine "
+                f"has {have}: use at most {have}, or device='cpu'"
+            )
+    return size
+
+
+def _threads(config: EngineConfig, device: str) -> int | None:
+    """CPU ranks share the cores: each takes its share unless num_threads says otherwise."""
+    if config.num_threads is not None or device != "cpu" or config.tensor_parallel_size == 1:
+        return config.num_threads
+    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)

@@ -203,29 +203,42 @@ class InputBuffers:
             event = self.events[k] or torch.cuda.Event()
             event.record()
             self.events[k] = event
+        return self.received(t + pad, s, padded, max_query_len, max(context_lens),
+                             query_lens + [1] * pad, context_lens + [0] * pad, p, ph_seq,
+                             temperatures is not None)
+
+    def received(
+        self, tokens: int, sampling_rows: int, padded: int, max_query_len: int,
+        max_context_len: int, query_lens: list[int], context_lens: list[int],
+        placeholders: int = 0, placeholder_seq_ids: list[int] | None = None,
+        temperatures: bool = False,
+    ) -> StepInputs:
+        """The StepInputs of a step whose buffers are in place: prepared here, or (on a
+        tensor-parallel rank other than 0) broadcast into them from rank 0's."""
+        T, R, s, p = self.T, self.R, sampling_rows, placeholders
         meta = AttentionMetadata(
-            slot_mapping=self.slots(t + pad),
+            slot_mapping=self.slots(tokens),
             query_start_loc=self.query_start_loc(padded),
             context_lens=self.context_lens(padded),
             block_tables=self.block_tables(padded),
             max_query_len=max_query_len,
-            max_context_len=max(context_lens),
-            query_lens_host=query_lens + [1] * pad,
-            context_lens_host=context_lens + [0] * pad,
+            max_context_len=max_context_len,
+            query_lens_host=query_lens,
+            context_lens_host=context_lens,
         )
         return StepInputs(
-            input_ids=self.input_ids(t + pad),
-            positions=self.positions(t + pad),
+            input_ids=self.input_ids(tokens),
+            positions=self.positions(tokens),
             meta=meta,
             logits_indices=self.dev64[3 * T : 3 * T + s],
             num_sampling_rows=s,
             decode_only=max_query_len == 1,
             placeholder_positions=self.dev64[3 * T + R : 3 * T + R + p],
             placeholder_rows=self.dev64[3 * T + 2 * R : 3 * T + 2 * R + p],
-            placeholder_seq_ids=ph_seq,
+            placeholder_seq_ids=placeholder_seq_ids or [],
             padded_rows=padded,
-            temperatures=None if temperatures is None
-            else self.dev32[2 * R + 1 : 2 * R + 1 + s].view(torch.float32),
+            temperatures=self.dev32[2 * R + 1 : 2 * R + 1 + s].view(torch.float32)
+            if temperatures else None,
         )
 
 

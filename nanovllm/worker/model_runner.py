@@ -7,6 +7,7 @@ kernels), asked how many KV blocks fit (`measure_kv_blocks`), `setup` with the f
 (cache, buffers, warm-up, CUDA graphs), then `launch` / `collect` once per step.
 """
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from nanovllm.model.layers.sampler import SamplerOutput
 from nanovllm.model.loader.source import ModelSource
 from nanovllm.model.loader.weights import load_weights
 from nanovllm.model.models.registry import build_model
+from nanovllm.model.parallel import SINGLE, TensorParallel
 from nanovllm.worker.inputs import InputBuffers, StepInputs
 from nanovllm.worker.kv_cache import (
     HostKVPool,
@@ -60,14 +62,26 @@ class StepHandle:
 
 class ModelRunner:
     """`launch` queues a step on the device and returns at once on a GPU; `collect` waits
-    for its sampled tokens. Between the two the engine can schedule the next step."""
+    for its sampled tokens. Between the two the engine can schedule the next step.
+
+    Under tensor parallelism (`tp`) the runner holds its rank's shard of the model and of
+    the KV cache. Rank 0's runner drives the others through `peers` (worker/
+    tensor_parallel.py): every start-up call and every step's inputs go to them first; the
+    other ranks' runners only `run_step`.
+    """
 
     def __init__(
         self, config: ResolvedConfig, source: ModelSource, model_config: ModelConfig,
-        eos_token_ids: set[int],
+        eos_token_ids: set[int], tp: TensorParallel = SINGLE, peers=None,
     ) -> None:
         self.config = config
-        self.model_config = model_config
+        self.tp, self.peers = tp, peers
+        self.main_group = None  # the group step inputs arrive on (ranks other than 0)
+        # the KV cache and the cost model see this rank's heads
+        _, heads = tp.split(model_config.num_attention_heads, "attention heads")
+        _, kv_heads = tp.kv_heads(model_config.num_key_value_heads)
+        self.model_config = dataclasses.replace(
+            model_config, num_attention_heads=heads, num_key_value_heads=kv_heads)
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         if config.num_threads and self.device.type == "cpu":
@@ -80,7 +94,7 @@ class ModelRunner:
         try:
             with torch.device(self.device):
                 self.model = build_model(
-                    model_config, model_config.max_position_embeddings, self.kernels
+                    model_config, model_config.max_position_embeddings, self.kernels, tp
                 )
         finally:
             torch.set_default_dtype(prev)
@@ -88,8 +102,9 @@ class ModelRunner:
         forms = load_weights(self.model, source.tensors(quantized=quantized),
                              config.weight_format)
         self.model.eval()
-        log.info("loaded %s in %.1f s (%s on %s; weights: %s)", source.path.name,
-                 time.perf_counter() - start, config.dtype, self.device,
+        shard = f", rank {tp.rank} of {tp.size}" if tp.size > 1 else ""
+        log.info("loaded %s in %.1f s (%s on %s%s; weights: %s)", source.path.name,
+                 time.perf_counter() - start, config.dtype, self.device, shard,
                  ", ".join(f"{n} {form}" for form, n in sorted(forms.items())))
         self.sampler = StepSampler(
             self.kernels, eos_token_ids, model_config.vocab_size, self.device
@@ -106,7 +121,17 @@ class ModelRunner:
     # ---- start-up -------------------------------------------------------------------
 
     def measure_kv_blocks(self) -> int:
-        """How many KV blocks fit on this rank (see kv_cache.plan_num_blocks)."""
+        """How many KV blocks fit on this rank (see kv_cache.plan_num_blocks); on rank 0 of
+        a tensor-parallel group, the fewest that fit on any rank."""
+        if self.peers is None:
+            return self._measure_kv_blocks()
+        from nanovllm.worker.messages import MeasureKVBlocks
+
+        self.peers.control(MeasureKVBlocks())
+        with self.peers.busy_section():
+            return self.peers.smallest(self._measure_kv_blocks())
+
+    def _measure_kv_blocks(self) -> int:
         return plan_num_blocks(self.config, self.model_config, self.dtype, self.device,
                                lambda: profile_activation_bytes(self))
 
@@ -118,6 +143,15 @@ class ModelRunner:
     def setup(self, config: ResolvedConfig) -> None:
         """Allocate the KV cache and the step buffers for the final `config`; on CUDA warm
         the kernels up and capture CUDA graphs."""
+        if self.peers is not None:
+            from nanovllm.worker.messages import Setup
+
+            self.peers.control(Setup(config))
+            with self.peers.busy_section():
+                return self._setup(config)
+        return self._setup(config)
+
+    def _setup(self, config: ResolvedConfig) -> None:
         self.config = cfg = config
         self.kv_cache = KVCache(self.model_config, cfg.num_kv_blocks, cfg.block_size,
                                 self.dtype, self.device)
@@ -130,7 +164,7 @@ class ModelRunner:
             log.info("host KV tier: %d blocks, %.2f GiB (swap %g GiB, prefix offload %g GiB)",
                      cfg.num_host_blocks, self.host_pool.gib, cfg.swap_space,
                      cfg.cpu_offload_gib)
-            if cfg.swap_space and cfg.preemption_mode == "auto":
+            if cfg.swap_space and cfg.preemption_mode == "auto" and self.tp.rank == 0:
                 cost = measure_preemption_cost(self.kv_cache, self.model_config,
                                                cfg.max_num_batched_tokens)
                 self.preemption_cost = cost
@@ -169,7 +203,15 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
         """Queue one forward pass and sampling; tokens of `prev` still on the device are
         read there (CPU/GPU overlap). The batch's KV copies run first."""
-        self.copy_blocks(batch)
+        if self.peers is None:
+            return self._launch(batch, prev)
+        try:
+            with self.peers.busy_section():
+                return self._launch(batch, prev)
+        except RuntimeError as e:  # a collective failed: a rank is gone
+            raise self.peers.failure(e) from e
+
+    def _launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
         seqs = batch.sampling_seqs
         pad = 0
         if self.graphs is not None and all(s.num_scheduled_tokens == 1 for s in batch.seqs):
@@ -177,16 +219,40 @@ class ModelRunner:
         temps = self.sampler.one_pass_temperatures(seqs)
         inputs = self.buffers.prepare(batch, pad, prev.rows if prev is not None else None, temps)
         self._fill_placeholders(inputs, prev)
+        if self.peers is not None:
+            self.peers.send_step(inputs, self.buffers, batch.copies_out, batch.copies_in)
+        self._copy_blocks(batch.copies_out, batch.copies_in)
         logits = self.logits(inputs)
         if not seqs:
             return StepHandle([], {}, None, None, None)
         return self._handle(seqs, self.sampler.sample(logits, seqs, inputs.temperatures))
 
     @torch.inference_mode()
+    def run_step(self, inputs: StepInputs | None, copies_out, copies_in) -> None:
+        """A tensor-parallel rank other than 0: rank 0's step, on this rank's shard (its
+        logits are gathered on every rank; rank 0 samples). None: the copies alone."""
+        self._copy_blocks(copies_out, copies_in)
+        if inputs is not None:
+            self.logits(inputs)
+
+    @torch.inference_mode()
     def copy_blocks(self, batch: ScheduledBatch) -> None:
-        """The batch's copies between the KV cache and the host tier (HostKVPool.copy)."""
-        if batch.has_copies:
-            self.host_pool.copy(batch.copies_out, batch.copies_in)
+        """The batch's copies between the KV cache and the host tier (HostKVPool.copy),
+        for a batch that runs no forward pass."""
+        if not batch.has_copies:
+            return
+        if self.peers is None:
+            return self._copy_blocks(batch.copies_out, batch.copies_in)
+        try:
+            with self.peers.busy_section():
+                self.peers.send_copies(batch.copies_out, batch.copies_in)
+                self._copy_blocks(batch.copies_out, batch.copies_in)
+        except RuntimeError as e:
+            raise self.peers.failure(e) from e
+
+    def _copy_blocks(self, copies_out, copies_in) -> None:
+        if copies_out or copies_in:
+            self.host_pool.copy(copies_out, copies_in)
 
     def logits(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass of prepared inputs: logits of the sampling rows."""
@@ -222,6 +288,15 @@ class ModelRunner:
         if handle.out is None:
             return StepOutput([], None)
         if handle.event is not None:
-            handle.event.synchronize()
+            if self.peers is not None:
+                with self.peers.busy_section():
+                    handle.event.synchronize()
+            else:
+                handle.event.synchronize()
         token_ids = handle.host_tokens.tolist()
         return StepOutput(token_ids, logprob_dicts(handle.out, handle.seqs, token_ids))
+
+    def shutdown(self) -> None:
+        """Rank 0 of a tensor-parallel group: stop the other ranks and leave the group."""
+        if self.peers is not None:
+            self.peers.shutdown()

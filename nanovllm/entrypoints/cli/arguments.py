@@ -106,6 +106,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "in vLLM's ZMQ + msgpack format on ADDRESS, e.g. tcp://*:5557 (default: off)")
     opt("kv_events_topic", metavar="TOPIC",
         help="the ZMQ topic of those events (default: empty)")
+    opt("tensor_parallel_size", "--tensor-parallel-size", "-tp", type=int, metavar="N",
+        help="shard the model over N ranks, one process each: GPUs, or CPU processes; under "
+        "torchrun or Slurm (WORLD_SIZE set) the other ranks run `nanovllm worker`")
     opt("enforce_eager", help="GPU: no CUDA graphs")
     opt("torch_compile", help="GPU: fuse norms, RoPE and SiLU with torch.compile")
     opt("fused_kernels", action=argparse.BooleanOptionalAction,

@@ -74,7 +74,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_trace_args(trace)
     trace.set_defaults(func=cmd_trace, verbose=False)
+    worker = sub.add_parser(
+        "worker", formatter_class=HelpFormatter,
+        help="serve one tensor-parallel rank other than 0 (under torchrun or Slurm)",
+        description="Serve one tensor-parallel rank other than 0 until rank 0 ends. The "
+        "ranks meet through the env:// variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
+        "and LOCAL_RANK; rank 0 runs `nanovllm generate/serve --tensor-parallel-size "
+        "WORLD_SIZE` with the same variables and sends the model and settings.",
+    )
+    worker.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    worker.set_defaults(func=cmd_worker)
     return parser
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from nanovllm.worker.tensor_parallel import run_worker
+
+    level = os.environ.get("NANOVLLM_LOG_LEVEL")  # set by a rank 0 that started this one
+    if level is not None:
+        logging.getLogger("nanovllm").setLevel(int(level))
+    return run_worker()
 
 
 def main(argv: list[str] | None = None) -> int:

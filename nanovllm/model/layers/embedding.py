@@ -8,20 +8,29 @@ from nanovllm.model.layers.quantized import (
     int8_linear,
     int8_rows,
     pack_int4,
+    read_part,
 )
+from nanovllm.model.parallel import SINGLE, TensorParallel
 
 
 class VocabEmbedding(nn.Module):
     """Token embeddings. A quantized checkpoint table may stay quantized (finish_loading):
-    the rows a step looks up are dequantized as it runs."""
+    the rows a step looks up are dequantized as it runs.
 
-    def __init__(self, vocab_size: int, dim: int) -> None:
+    Vocab-parallel under tensor parallelism: each rank holds a slice of the vocabulary's
+    rows (TensorParallel.vocab_rows), looks up the tokens that fall in it, zeros for the
+    others, and the ranks' rows are all-reduced."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
+        self.tp, self.vocab_size = tp, vocab_size
+        self.vocab_start, rows = tp.vocab_rows(vocab_size)
+        self.vocab_rows = min(rows, vocab_size - self.vocab_start)  # rows the file has
+        self.weight = nn.Parameter(torch.empty(rows, dim), requires_grad=False)
         self.table: QuantizedWeight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded, shard: str | None = None) -> None:
-        self.table = _load_table(param, loaded)
+        self.table = _load_table(param, loaded, self)
 
     def finish_loading(self, weight_format: str) -> str:
         if self.table is None:
@@ -34,9 +43,17 @@ class VocabEmbedding(nn.Module):
         return "dense (dequantized)"
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self._lookup(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_rows)
+        x = self._lookup(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0)
+        return self.tp.all_reduce(x)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
-            return self.table.rows(input_ids).dequantize().to(torch.get_default_dtype())
-        return F.embedding(input_ids, self.weight)
+            return self.table.rows(ids).dequantize().to(torch.get_default_dtype())
+        return F.embedding(ids, self.weight)
 
 
 # An 8-bit LM head with one scale per row is ~1% off in each logit, enough to flip a near
@@ -49,21 +66,31 @@ RESCORE_TOP = 8
 class LMHead(nn.Module):
     """Logits in float32 for the rows that sample; shares the embedding when tied. From a
     quantized checkpoint it may stay quantized: 4-bit packed, or 8-bit with a scale per row
-    (its top logits recomputed exactly, see RESCORE_TOP)."""
+    (its top logits recomputed exactly, see RESCORE_TOP).
 
-    def __init__(self, vocab_size: int, dim: int, tied_to: VocabEmbedding | None = None) -> None:
+    Vocab-parallel under tensor parallelism: each rank computes the logits of its slice of
+    the vocabulary, and every rank gets the whole row from an all-gather, so sampling
+    (top-k/p, penalties, logprobs) sees exactly what one device would."""
+
+    def __init__(
+        self, vocab_size: int, dim: int, tied_to: VocabEmbedding | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        self.vocab_start, self.rows = tp.vocab_rows(vocab_size)
+        self.vocab_rows = min(self.rows, vocab_size - self.vocab_start)
         self.tied_to = [tied_to] if tied_to is not None else []  # a list: not a submodule
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
+            self.weight = nn.Parameter(torch.empty(self.rows, dim), requires_grad=False)
         self.table: QuantizedWeight | None = None
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded, shard: str | None = None) -> None:
-        self.table = _load_table(param, loaded)
+        self.table = _load_table(param, loaded, self)
 
     def finish_loading(self, weight_format: str) -> str:
         packed = weight_format in ("int4", "int4-bf16")
@@ -86,6 +113,14 @@ class LMHead(nn.Module):
         return "int8 (a scale per row)"
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self._logits(hidden)
+        logits = self._logits(hidden)
+        if logits.shape[1] < self.rows:  # a quantized table has no padding rows
+            logits = F.pad(logits, (0, self.rows - logits.shape[1]))
+        return self.tp.gather_vocab(logits, self.vocab_size)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.int4 is not None:
             return int4_linear(hidden, *self.int4)
         if self.int8 is not None:
@@ -99,13 +134,16 @@ class LMHead(nn.Module):
         return F.linear(hidden, self.weight)  # model dtype; the sampler upcasts what it needs
 
 
-def _load_table(param: nn.Parameter, loaded) -> QuantizedWeight | None:
-    """A [vocab, dim] checkpoint tensor: a quantized one is kept (returned) for
-    finish_loading; a dense one is copied into `param`."""
-    if tuple(loaded.shape) != tuple(param.shape):
+def _load_table(param: nn.Parameter, loaded, layer) -> QuantizedWeight | None:
+    """A [vocab, dim] checkpoint tensor, this rank's rows of it: a quantized one is kept
+    (returned) for finish_loading; a dense one is copied into `param`."""
+    expected = (layer.vocab_size, param.shape[1])
+    if tuple(loaded.shape) != expected:
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, "
-                         f"expected {tuple(param.shape)}")
+                         f"expected {expected}")
+    loaded = read_part(loaded, 0, layer.vocab_start, layer.vocab_rows)
     if isinstance(loaded, QuantizedWeight):
         return loaded
-    param.data.copy_(loaded)
+    param.data[: layer.vocab_rows].copy_(loaded)
+    param.data[layer.vocab_rows :].zero_()  # the last rank's padding rows
     return None

@@ -2,7 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.model.layers.quantized import QuantizedWeight, int4_linear, pack_int4
+from nanovllm.model.layers.quantized import QuantizedWeight, int4_linear, pack_int4, read_part
+from nanovllm.model.parallel import SINGLE, TensorParallel
 
 # weight_format "int4-bf16": steps of at least this many token rows (prefill) multiply by a
 # bfloat16 copy of the 4-bit weight, 2.5x faster there than the int4 kernel on a CPU with
@@ -15,13 +16,30 @@ BF16_FROM_ROWS = 32
 class Linear(nn.Module):
     """y = x W^T (+ b). Checkpoint tensors are copied in by `weight_loader`.
 
+    Under tensor parallelism (`tp`, model/parallel.py) a "column" linear holds a slice of
+    the output rows (no communication) and a "row" linear a slice of the input columns, its
+    partial products all-reduced (the bias added once, after). Each rank reads only its
+    slice of the checkpoint tensor.
+
     A 4-bit checkpoint weight (QuantizedWeight) may stay packed (`finish_loading`, weight
     format "int4" or "int4-bf16"): the dense weight is dropped and torch's int4 CPU kernel
     multiplies; "int4-bf16" also keeps a bfloat16 copy for steps of many rows.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False,
+        tp: TensorParallel = SINGLE, parallel: str | None = None,
+    ) -> None:
         super().__init__()
+        self.tp, self.parallel = tp, parallel if tp.size > 1 else None
+        self.full_shape = (out_features, in_features)
+        self.part: tuple[int, int, int] | None = None  # (dim, start, length) of the checkpoint
+        if self.parallel == "column":
+            start, out_features = tp.split(out_features, "output features")
+            self.part = (0, start, out_features)
+        elif self.parallel == "row":
+            start, in_features = tp.split(in_features, "input features")
+            self.part = (1, start, in_features)
         # never written when the weight stays packed, so its pages are never resident
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -29,10 +47,16 @@ class Linear(nn.Module):
         self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.bf16: torch.Tensor | None = None  # "int4-bf16": steps of BF16_FROM_ROWS+ rows
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None):
+    def weight_loader(self, param: nn.Parameter, loaded, shard: str | None = None):
         assert shard is None
+        full = self.full_shape if param is self.weight else self.full_shape[:1]
+        _check_shape(full, loaded.shape)
+        part = self.part
+        if part is not None and (param is self.weight or part[0] == 0):
+            loaded = read_part(loaded, *part)
+        else:
+            loaded = read_part(loaded)
         if isinstance(loaded, QuantizedWeight) and param is self.weight:
-            _check_shape(param.shape, loaded.shape)
             self.quantized[None] = loaded
         else:
             _copy_checked(param.data, loaded)
@@ -58,34 +82,53 @@ class Linear(nn.Module):
         return "dense (dequantized)"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        row = self.parallel == "row"
         if self.packed is not None:
             if self.bf16 is not None and x.shape[0] >= BF16_FROM_ROWS:  # x: [T, K]
                 y = F.linear(x.to(torch.bfloat16), self.bf16).to(x.dtype)
             else:
                 y = int4_linear(x, *self.packed)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, None if row else self.bias)
+            if not row:
+                return y
+        if row:
+            y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
 
 
 class MergedLinear(Linear):
     """Several projections of the same input in one matmul (q|k|v, or gate|up).
 
-    `shards` names each part and its output size; the checkpoint stores them apart.
+    `shards` names each part and its output size; the checkpoint stores them apart. Under
+    tensor parallelism it is column-parallel: `parts` gives each shard's (start, length) in
+    its checkpoint tensor's rows (by default an equal split; key/value heads may be
+    replicated, see TensorParallel.kv_heads).
     """
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(shards.values()), bias)
+    def __init__(
+        self, in_features: int, shards: dict[str, int], bias: bool = False,
+        tp: TensorParallel = SINGLE, parts: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
+        if parts is None:
+            parts = {name: tp.split(size, "output features") for name, size in shards.items()}
+        super().__init__(in_features, sum(n for _, n in parts.values()), bias)
+        self.full_sizes = dict(shards)
+        self.sources = parts  # shard -> (start, length) in the checkpoint tensor
         self.offsets: dict[str, tuple[int, int]] = {}
         start = 0
-        for name, size in shards.items():
+        for name, (_, size) in parts.items():
             self.offsets[name] = (start, size)
             start += size
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None):
+    def weight_loader(self, param: nn.Parameter, loaded, shard: str | None = None):
         assert shard is not None
         start, size = self.offsets[shard]
+        full = self.full_sizes[shard]
+        _check_shape((full, param.shape[1]) if param is self.weight else (full,), loaded.shape)
+        src_start, src_len = self.sources[shard]
+        loaded = read_part(loaded, 0, src_start, src_len)
         if isinstance(loaded, QuantizedWeight) and param is self.weight:
-            _check_shape((size, param.shape[1]), loaded.shape)
             self.quantized[shard] = loaded
         else:
             _copy_checked(param.data.narrow(0, start, size), loaded)

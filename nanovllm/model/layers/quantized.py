@@ -50,6 +50,13 @@ class QuantizedWeight:
         zero = None if self.zero is None else self.zero[index]
         return QuantizedWeight(self.kind, self.q[index], self.scale[index], zero)
 
+    def cols(self, start: int, length: int) -> "QuantizedWeight":
+        """Input columns [start, start + length), both multiples of the group of 32."""
+        g = slice(start // GROUP, (start + length) // GROUP)
+        zero = None if self.zero is None else self.zero[:, g].contiguous()
+        return QuantizedWeight(self.kind, self.q[:, start : start + length].contiguous(),
+                               self.scale[:, g].contiguous(), zero)
+
 
 def from_gguf_blocks(raw: np.ndarray, qtype_name: str) -> QuantizedWeight | None:
     """The QuantizedWeight of a GGUF tensor's raw block rows ([N, K / 32 * block bytes],
@@ -140,3 +147,21 @@ def int8_rows(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x W^T for x [T, K] and an int8 W with a scale per row (`int8_rows`), in bfloat16."""
     return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scales).to(x.dtype)
+
+
+def read_part(loaded, dim: int | None = None, start: int = 0, length: int | None = None):
+    """A checkpoint tensor, or the slice [start, start + length) of it along `dim`: a
+    torch.Tensor, a QuantizedWeight, or a lazy checkpoint tensor (anything with
+    `read(dim, start, length)`, which reads only that slice from the file). A quantized slice
+    along the input dimension that does not fall on its groups of 32 comes dense."""
+    if hasattr(loaded, "read"):
+        return loaded.read(dim, start, length)
+    if dim is None or (start == 0 and length == loaded.shape[dim]):
+        return loaded
+    if isinstance(loaded, QuantizedWeight):
+        if dim == 0:
+            return loaded.rows(slice(start, start + length))
+        if start % GROUP == 0 and length % GROUP == 0:
+            return loaded.cols(start, length)
+        loaded = loaded.dequantize()
+    return loaded.narrow(dim, start, length)

@@ -8,8 +8,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from nanovllm.core.errors import ModelLoadError
-from nanovllm.model.layers.quantized import QuantizedWeight, from_gguf_blocks
-from nanovllm.model.loader.gguf_file import GGUFFile
+from nanovllm.model.layers.quantized import QuantizedWeight, from_gguf_blocks, read_part
+from nanovllm.model.loader.gguf_file import GGUFFile, GGUFTensor
 
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -78,11 +78,47 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf(
+class GGUFWeight:
+    """One tensor of the file under its Hugging Face name, read when a layer asks for it, and
+    only the slice it asks for (a tensor-parallel rank's rows come from the memory map
+    alone; a slice of columns is cut once the rows are read)."""
+
+    def __init__(self, tensor: GGUFTensor, quantized: bool, heads: int | None) -> None:
+        self.tensor, self.quantized, self.heads = tensor, quantized, heads
+        self.shape = tensor.shape
+
+    def read(self, dim: int | None = None, start: int = 0, length: int | None = None):
+        t = self.tensor
+        data = t.data[start : start + length] if dim == 0 else t.data
+        # Llama's q/k rows are permuted within each head: a slice of whole heads un-permutes
+        # on its own
+        heads = self.heads and self.heads * data.shape[0] // t.shape[0]
+        w = self._convert(data, heads)
+        return read_part(w, 1, start, length) if dim == 1 else w
+
+    def _convert(self, data: np.ndarray, heads: int | None):
+        q = (from_gguf_blocks(data, self.tensor.qtype.name)
+             if self.quantized and data.ndim == 2 else None)
+        if q is not None:
+            if heads:
+                q = q.rows(torch.from_numpy(_unpermute(np.arange(q.shape[0]), heads)))
+            return q
+        qtype = self.tensor.qtype
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            w = data.astype(np.float32)
+        else:
+            w = dequantize(data, qtype).astype(np.float32, copy=False)
+        if heads:
+            w = _unpermute(w, heads)
+        return torch.from_numpy(np.ascontiguousarray(w))
+
+
+def gguf_weights(
     file: GGUFFile, cfg: dict, quantized: bool = False
-) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """The file's tensors under Hugging Face names, dense float32; with `quantized`, Q4_0,
-    Q4_1, Q4_K and Q8_0 weights come as QuantizedWeight (integers and scales as stored)."""
+) -> Iterator[tuple[str, GGUFWeight]]:
+    """The file's tensors under Hugging Face names, as GGUFWeight (read on demand): dense
+    float32; with `quantized`, Q4_0, Q4_1, Q4_K and Q8_0 weights as QuantizedWeight
+    (integers and scales as stored)."""
     llama = cfg["architectures"][0] == "LlamaForCausalLM"
     for t in file.tensors:
         base, _, suffix = t.name.rpartition(".")
@@ -93,20 +129,15 @@ def iter_gguf(
             name = f"{GLOBAL_NAMES[base]}.{suffix}"
         else:
             continue
-        q = from_gguf_blocks(t.data, t.qtype.name) if quantized and t.data.ndim == 2 else None
-        if q is not None:
-            if llama and parts[-1] in ("attn_q", "attn_k"):
-                heads = cfg["num_attention_heads" if parts[-1] == "attn_q"
-                            else "num_key_value_heads"]
-                q = q.rows(torch.from_numpy(_unpermute(np.arange(q.shape[0]), heads)))
-            yield name, q
-            continue
-        if t.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            w = t.data.astype(np.float32)
-        else:
-            w = dequantize(t.data, t.qtype).astype(np.float32, copy=False)
-        if llama and parts[-1] == "attn_q":
-            w = _unpermute(w, cfg["num_attention_heads"])
-        elif llama and parts[-1] == "attn_k":
-            w = _unpermute(w, cfg["num_key_value_heads"])
-        yield name, torch.from_numpy(np.ascontiguousarray(w))
+        heads = None
+        if llama and parts[-1] in ("attn_q", "attn_k"):
+            heads = cfg["num_attention_heads" if parts[-1] == "attn_q" else "num_key_value_heads"]
+        yield name, GGUFWeight(t, quantized, heads)
+
+
+def iter_gguf(
+    file: GGUFFile, cfg: dict, quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """gguf_weights, each read whole."""
+    for name, weight in gguf_weights(file, cfg, quantized):
+        yield name, weight.read()

@@ -35,3 +35,30 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+class SafetensorsWeight:
+    """One tensor of an open safetensors file, read when a layer asks for it, and only the
+    slice it asks for (safetensors reads a slice without the rest)."""
+
+    def __init__(self, file, name: str) -> None:
+        self.file, self.name = file, name
+        self.shape = tuple(file.get_slice(name).get_shape())
+
+    def read(self, dim: int | None = None, start: int = 0, length: int | None = None):
+        if dim is None:
+            return self.file.get_tensor(self.name)
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self.file.get_slice(self.name)[index]
+
+
+def safetensors_weights(path: Path) -> Iterator[tuple[str, SafetensorsWeight]]:
+    """Every tensor of the directory's *.safetensors files, as SafetensorsWeight; a file
+    stays open while its tensors are handed out."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} holds no *.safetensors files")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, SafetensorsWeight(f, name)

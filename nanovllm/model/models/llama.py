@@ -11,18 +11,27 @@ from nanovllm.model.layers.embedding import LMHead, VocabEmbedding
 from nanovllm.model.layers.linear import Linear, MergedLinear
 from nanovllm.model.layers.norm import RMSNorm
 from nanovllm.model.layers.rotary import RotaryEmbedding
+from nanovllm.model.parallel import SINGLE, TensorParallel
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, kernels: Kernels) -> None:
+    """Under tensor parallelism each rank runs its share of the query heads and the KV heads
+    they read (TensorParallel.kv_heads); o_proj is row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, kernels: Kernels,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        D = self.head_dim = cfg.head_dim
+        q_head, self.num_heads = tp.split(cfg.num_attention_heads, "attention heads")
+        kv_head, self.num_kv_heads = tp.kv_heads(cfg.num_key_value_heads)
+        q_size, kv_size = self.num_heads * D, self.num_kv_heads * D
+        full_q, full_kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
         self.qkv_proj = MergedLinear(
-            cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=cfg.attention_bias
+            cfg.hidden_size, {"q": full_q, "k": full_kv, "v": full_kv}, bias=cfg.attention_bias,
+            parts={"q": (q_head * D, q_size), "k": (kv_head * D, kv_size),
+                   "v": (kv_head * D, kv_size)},
         )
-        self.o_proj = Linear(q_size, cfg.hidden_size)
+        self.o_proj = Linear(full_q, cfg.hidden_size, tp=tp, parallel="row")
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, kernels)
         if cfg.qk_norm:
@@ -43,11 +52,13 @@ class DecoderAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
+    """gate/up column-parallel, down row-parallel under tensor parallelism."""
+
+    def __init__(self, cfg: ModelConfig, kernels: Kernels, tp: TensorParallel) -> None:
         super().__init__()
         size = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size})
-        self.down_proj = Linear(size, cfg.hidden_size)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size}, tp=tp)
+        self.down_proj = Linear(size, cfg.hidden_size, tp=tp, parallel="row")
         self.silu_and_mul = kernels.silu_and_mul  # silu(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,10 +66,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, kernels: Kernels) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, kernels: Kernels,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, rotary, kernels)
-        self.mlp = MLP(cfg, kernels)
+        self.self_attn = DecoderAttention(cfg, rotary, kernels, tp)
+        self.mlp = MLP(cfg, kernels, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
@@ -73,14 +85,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int, kernels: Kernels) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int, kernels: Kernels,
+                 tp: TensorParallel) -> None:
         super().__init__()
         rotary = RotaryEmbedding(
             cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, kernels
         )
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, kernels) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, rotary, kernels, tp) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
@@ -102,13 +115,15 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, cfg: ModelConfig, max_position: int, kernels: Kernels) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int, kernels: Kernels,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
         self.kernels = kernels
-        self.model = DecoderModel(cfg, max_position, kernels)
+        self.tp = tp
+        self.model = DecoderModel(cfg, max_position, kernels, tp)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied, tp=tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         return self.model(input_ids, positions, meta)

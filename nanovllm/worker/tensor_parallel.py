@@ -1,0 +1,392 @@
+"""Tensor parallelism across processes: one ModelRunner per rank, rank 0 in the engine.
+
+Rank 0 schedules; every rank holds its shard of the model and of the KV cache
+(model/parallel.py) and runs the same forward pass on the same inputs. Rank 0 drives the
+others (`Peers`), each of which loops in `run_worker`: a step's inputs are broadcast as
+tensors from rank 0's input buffers (worker/messages.py), the forward pass's collectives
+keep the ranks in step, and only rank 0 samples (its LM head gathers every vocab slice).
+
+The ranks join through torch.distributed: a gloo group for the control messages (host
+memory) and, on GPUs, an NCCL group for the step's tensors and the model's collectives. By
+default rank 0 starts the other ranks on this machine (`tensor_parallel_size`); with the
+standard env:// variables set (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, as
+torchrun and Slurm set them) every rank is started by the launcher, on as many hosts as it
+likes, and ranks other than 0 run `nanovllm worker`.
+
+A rank that dies ends the engine: gloo fails the collective at once; a collective on NCCL
+may wait forever for a dead peer, so when a rank this process started dies while rank 0 is
+inside a step, a watchdog ends the process after DEAD_RANK_GRACE_S with the rank's exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.core.config import ResolvedConfig
+from nanovllm.core.errors import ConfigError, NanoVLLMError
+from nanovllm.model.parallel import TensorParallel
+from nanovllm.worker.inputs import StepInputs
+from nanovllm.worker.messages import (
+    CONTROL,
+    HEADER_LEN,
+    STEP,
+    MeasureKVBlocks,
+    Setup,
+    Shutdown,
+    WorkerInit,
+    WorkerMessage,
+)
+
+log = logging.getLogger("nanovllm")
+
+DEAD_RANK_GRACE_S = 10.0
+# the control group waits for the next step as long as a server stays idle; a dead peer
+# fails its collectives at once (the connection closes), so this is no liveness timeout
+IDLE_TIMEOUT = timedelta(days=365)
+
+
+class RankFailedError(NanoVLLMError):
+    """A tensor-parallel rank died or left; the engine cannot continue."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks meet, and who this one is."""
+
+    rank: int
+    world_size: int
+    local_rank: int  # the GPU this rank uses on its host
+    addr: str
+    port: int
+
+    @classmethod
+    def from_env(cls) -> Rendezvous | None:
+        """The launcher's env:// variables, or None when WORLD_SIZE is not set."""
+        if "WORLD_SIZE" not in os.environ:
+            return None
+        env = os.environ
+        try:
+            return cls(int(env["RANK"]), int(env["WORLD_SIZE"]),
+                       int(env.get("LOCAL_RANK", 0)), env["MASTER_ADDR"],
+                       int(env["MASTER_PORT"]))
+        except (KeyError, ValueError) as e:
+            raise ConfigError(
+                f"WORLD_SIZE is set, so the ranks meet through env://: set RANK, WORLD_SIZE, "
+                f"MASTER_ADDR and MASTER_PORT (and LOCAL_RANK) to numbers and an address "
+                f"({e!r} is missing or wrong)"
+            ) from None
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.addr}:{self.port}"
+
+
+def _join(rdv: Rendezvous) -> None:
+    if dist.is_initialized():
+        raise ConfigError(
+            "this process already belongs to a torch.distributed group (another "
+            "tensor-parallel engine?); shut that engine down first (LLM.shutdown())"
+        )
+    dist.init_process_group("gloo", init_method=rdv.init_method, rank=rdv.rank,
+                            world_size=rdv.world_size, timeout=IDLE_TIMEOUT)
+
+
+def _main_group(config: ResolvedConfig, local_rank: int):
+    """The group the step's tensors and the model's collectives run on."""
+    if config.device != "cuda":
+        return dist.group.WORLD
+    torch.cuda.set_device(local_rank)
+    return dist.new_group(backend="nccl")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Peers:
+    """Rank 0's side of the group: starts (or meets) the other ranks, tells them what to do,
+    broadcasts each step's inputs, and notices when one dies."""
+
+    def __init__(self, model_path, config: ResolvedConfig, eos_token_ids: set[int]) -> None:
+        size = config.tensor_parallel_size
+        self.procs: list[subprocess.Popen] = []
+        self.dead: str | None = None
+        self.busy = 0  # >0 while rank 0 is inside a step or a start-up call
+        self._closing = False
+        rdv = Rendezvous.from_env()
+        if rdv is None:
+            rdv = Rendezvous(0, size, 0, "127.0.0.1", _free_port())
+            self._spawn(rdv)
+        elif rdv.world_size != size or rdv.rank != 0:
+            raise ConfigError(
+                f"tensor_parallel_size={size} but the launcher started rank {rdv.rank} of "
+                f"WORLD_SIZE={rdv.world_size}: run the engine on rank 0 with "
+                f"--tensor-parallel-size {rdv.world_size}, `nanovllm worker` on the others"
+            )
+        log.info("tensor parallelism: %d ranks meeting at %s", size, rdv.init_method)
+        try:
+            _join(rdv)
+        except Exception:
+            self._stop_procs()
+            raise
+        self.control_group = dist.group.WORLD
+        self._header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        self.control(WorkerInit(model_path, config, frozenset(eos_token_ids)))
+        self.main_group = _main_group(config, rdv.local_rank)
+        self.tp = TensorParallel(0, size, self.main_group)
+        if self.procs:
+            threading.Thread(target=self._watch, name="nanovllm-tp-watchdog",
+                             daemon=True).start()
+
+    def _spawn(self, rdv: Rendezvous) -> None:
+        """Start ranks 1.. on this machine as `python -m nanovllm worker` with the env://
+        variables set, each holding the read end of a pipe: EOF there means rank 0 is gone."""
+        read, self._alive = os.pipe()
+        try:
+            for rank in range(1, rdv.world_size):
+                env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),
+                           WORLD_SIZE=str(rdv.world_size), MASTER_ADDR=rdv.addr,
+                           MASTER_PORT=str(rdv.port), NANOVLLM_PARENT_FD=str(read),
+                           NANOVLLM_LOG_LEVEL=str(log.getEffectiveLevel()))
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "nanovllm", "worker"], env=env, pass_fds=(read,)))
+        finally:
+            os.close(read)
+
+    # ---- messages ---------------------------------------------------------------------
+
+    def control(self, msg: WorkerMessage) -> None:
+        """Send a start-up or shutdown message to every rank."""
+        self.check()
+        self._header.zero_()
+        self._header[0] = CONTROL
+        with self.busy_section():
+            dist.broadcast(self._header, 0, group=self.control_group)
+            dist.broadcast_object_list([msg], 0, group=self.control_group)
+
+    def smallest(self, n: int) -> int:
+        """The smallest of every rank's `n` (each rank calls this with its own)."""
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, dist.ReduceOp.MIN, group=self.control_group)
+        return int(t.item())
+
+    def send_step(self, inputs: StepInputs, buffers, copies_out, copies_in) -> None:
+        """The step's inputs to every rank: the header and host lists on the control group,
+        the input buffers (where rank 0 prepared them, placeholders filled) on the main."""
+        meta = inputs.meta
+        n64 = 3 * buffers.T + inputs.num_sampling_rows
+        n32 = buffers.tables_at + inputs.padded_rows * buffers.W
+        self._send_header(
+            [inputs.input_ids.shape[0], inputs.num_sampling_rows, inputs.padded_rows, 0,
+             meta.max_query_len, meta.max_context_len, n64, n32],
+            meta.query_lens_host + meta.context_lens_host, copies_out, copies_in)
+        dist.broadcast(buffers.dev64[:n64], 0, group=self.main_group)
+        dist.broadcast(buffers.dev32[:n32], 0, group=self.main_group)
+
+    def send_copies(self, copies_out, copies_in) -> None:
+        """A step of KV copies alone (every row of the batch had finished)."""
+        self._send_header([0] * 8, [], copies_out, copies_in)
+
+    def _send_header(self, sizes: list[int], lists: list[int], copies_out, copies_in) -> None:
+        self.check()
+        self._header[:] = torch.tensor([STEP, *sizes, len(copies_out), len(copies_in)])
+        for pairs in (copies_out, copies_in):
+            for a, b in pairs:
+                lists += (a, b)
+        dist.broadcast(self._header, 0, group=self.control_group)
+        dist.broadcast(torch.tensor(lists, dtype=torch.int64), 0, group=self.control_group)
+
+    # ---- liveness ---------------------------------------------------------------------
+
+    def check(self) -> None:
+        if self.dead is not None:
+            raise RankFailedError(f"{self.dead}; the engine cannot continue: start it again")
+
+    def busy_section(self) -> _Busy:
+        return _Busy(self)
+
+    def failure(self, error: BaseException) -> BaseException:
+        """What to raise for an error out of a collective: the dead rank, when one is."""
+        for _ in range(20):  # the process may end just after its sockets close
+            if self.dead is not None or any(p.poll() is not None for p in self.procs):
+                break
+            time.sleep(0.05)
+        gone = [p for p in self.procs if p.poll() is not None]
+        if self.dead is None and gone:
+            self.dead = self._describe(gone[0])
+        if self.dead is not None:
+            return RankFailedError(f"{self.dead}; the engine cannot continue: start it again")
+        return RankFailedError(
+            f"a tensor-parallel collective failed ({error}); the engine cannot continue"
+        )
+
+    def _describe(self, proc) -> str:
+        rank = self.procs.index(proc) + 1
+        return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
+
+    def _watch(self) -> None:
+        while not self._closing:
+            gone = [p for p in self.procs if p.poll() is not None]
+            if gone:
+                break
+            time.sleep(0.2)
+        if self._closing:
+            return
+        self.dead = self._describe(gone[0])
+        log.error("%s; the engine cannot continue", self.dead)
+        deadline = time.monotonic() + DEAD_RANK_GRACE_S
+        while time.monotonic() < deadline:
+            if not self.busy or self._closing:
+                return  # not waiting on the dead rank: the next call raises RankFailedError
+            time.sleep(0.1)
+        print(f"nanovllm: {self.dead}; rank 0 was waiting on it in a collective, "
+              "so the process ends here", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    # ---- the end ----------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Tell every rank to leave, wait for the ones this process started, and leave the
+        group; safe to call twice."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.dead is None:
+            try:
+                self._header.zero_()
+                self._header[0] = CONTROL
+                dist.broadcast(self._header, 0, group=self.control_group)
+                dist.broadcast_object_list([Shutdown()], 0, group=self.control_group)
+            except RuntimeError:
+                pass  # a rank is gone already
+        self._stop_procs()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _stop_procs(self) -> None:
+        self._closing = True
+        if self.procs:
+            os.close(self._alive)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs = []
+
+
+class _Busy:
+    def __init__(self, peers: Peers) -> None:
+        self.peers = peers
+
+    def __enter__(self) -> None:
+        self.peers.busy += 1
+
+    def __exit__(self, *exc) -> None:
+        self.peers.busy -= 1
+
+
+# ---- ranks other than 0 ---------------------------------------------------------------
+
+
+def _watch_parent() -> None:
+    """A rank that rank 0 started (NANOVLLM_PARENT_FD): exit once rank 0 is gone."""
+    fd = os.environ.get("NANOVLLM_PARENT_FD")
+    if fd is None:
+        return
+
+    def wait() -> None:
+        try:
+            while os.read(int(fd), 1):
+                pass
+        except OSError:
+            pass
+        os._exit(0)
+
+    threading.Thread(target=wait, name="nanovllm-parent-watch", daemon=True).start()
+
+
+def run_worker(rdv: Rendezvous | None = None) -> int:
+    """Serve as one rank (not 0) until rank 0 says Shutdown; returns the exit status.
+
+    Without `rdv`, reads the env:// variables (`nanovllm worker` under torchrun or Slurm).
+    """
+    from nanovllm.model.config import ModelConfig
+    from nanovllm.model.loader.source import open_model
+    from nanovllm.worker.model_runner import ModelRunner
+
+    rdv = rdv or Rendezvous.from_env()
+    _watch_parent()
+    if rdv is None or rdv.rank == 0:
+        raise ConfigError(
+            "`nanovllm worker` serves one rank other than 0: set RANK (>= 1), WORLD_SIZE, "
+            "MASTER_ADDR and MASTER_PORT as for torchrun; rank 0 runs the engine"
+        )
+    _join(rdv)
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    runner = None
+    try:
+        while True:
+            dist.broadcast(header, 0)
+            kind = int(header[0])
+            if kind == STEP:
+                _step(runner, header.tolist())
+                continue
+            assert kind == CONTROL, f"unknown header {kind}"
+            box: list = [None]
+            dist.broadcast_object_list(box, 0)
+            match box[0]:
+                case WorkerInit(model=path, config=config, eos_token_ids=eos):
+                    main = _main_group(config, rdv.local_rank)
+                    tp = TensorParallel(rdv.rank, rdv.world_size, main)
+                    source = open_model(path)
+                    runner = ModelRunner(config, source, ModelConfig.from_hf(source.hf_config),
+                                         set(eos), tp=tp)
+                    runner.main_group = main
+                case MeasureKVBlocks():
+                    n = runner.measure_kv_blocks()
+                    t = torch.tensor([n], dtype=torch.int64)
+                    dist.all_reduce(t, dist.ReduceOp.MIN)
+                case Setup(config=config):
+                    runner.setup(config)
+                case Shutdown():
+                    break
+    except RuntimeError as e:  # rank 0 (or another rank) is gone
+        log.error("rank %d: the group broke (%s); leaving", rdv.rank, e)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _step(runner, header: list[int]) -> None:
+    _, tokens, sampling, padded, _, max_q, max_ctx, n64, n32, n_out, n_in = header
+    lists = torch.empty(2 * padded + 2 * (n_out + n_in), dtype=torch.int64)
+    dist.broadcast(lists, 0)
+    values = lists.tolist()
+    query_lens, context_lens = values[:padded], values[padded : 2 * padded]
+    pairs = values[2 * padded :]
+    copies = [(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2)]
+    if tokens == 0:  # KV copies alone
+        runner.run_step(None, copies[:n_out], copies[n_out:])
+        return
+    buffers = runner.buffers
+    dist.broadcast(buffers.dev64[:n64], 0, group=runner.main_group)
+    dist.broadcast(buffers.dev32[:n32], 0, group=runner.main_group)
+    runner.run_step(buffers.received(tokens, sampling, padded, max_q, max_ctx, query_lens,
+                                     context_lens), copies[:n_out], copies[n_out:])
