@@ -46,8 +46,9 @@ class ReplicaSet:
 
     @classmethod
     def start(cls, config: EngineProcessConfig, size: int = 1) -> "ReplicaSet":
-        """Spawn `size` engine processes, one GPU each (CUDA_VISIBLE_DEVICES) on a GPU
-        machine, else an equal share of the CPU's threads; block until all are ready."""
+        """Spawn `size` engine processes, on a GPU machine tensor_parallel_size GPUs each
+        (CUDA_VISIBLE_DEVICES), else an equal share of the CPU's threads; block until all
+        are ready."""
         if size == 1:
             return cls([EngineClient.start(config)])
         import torch  # only here: one engine needs no torch in the front end
@@ -56,18 +57,19 @@ class ReplicaSet:
         env = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = env.split(",") if env else [str(i) for i in range(torch.cuda.device_count())]
         engine = config.engine
+        tp = engine.tensor_parallel_size
         on_gpu = engine.device == "cuda" or (engine.device == "auto" and gpus)
-        if on_gpu and len(gpus) < size:
-            raise ConfigError(f"--data-parallel-size {size} needs {size} GPUs; "
-                              f"{len(gpus)} are visible")
+        if on_gpu and len(gpus) < size * tp:
+            raise ConfigError(f"--data-parallel-size {size} x --tensor-parallel-size {tp} "
+                              f"needs {size * tp} GPUs; {len(gpus)} are visible")
         if not on_gpu and engine.num_threads is None:
-            threads = max(1, (os.cpu_count() or 1) // size)
+            threads = max(1, (os.cpu_count() or 1) // (size * tp))
             config = dataclasses.replace(config, engine=dataclasses.replace(
                 engine, num_threads=threads))
         try:
             for i in range(size):
                 if on_gpu:  # the child reads its environment when it starts
-                    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[i]
+                    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * tp : (i + 1) * tp])
                 own = config
                 if config.engine.kv_events_endpoint:  # one socket each: port + replica
                     own = dataclasses.replace(config, engine=dataclasses.replace(
