@@ -57,7 +57,6 @@ class LLMEngine:
             from nanovllm.worker.tensor_parallel import Peers
 
             peers = Peers(source.path, resolved, self.eos_token_ids)
-            self._finalizer = weakref.finalize(self, peers.shutdown)
         try:
             self.runner = ModelRunner(resolved, source, self.model_config, self.eos_token_ids,
                                       tp=peers.tp if peers else SINGLE, peers=peers)
@@ -65,6 +64,8 @@ class LLMEngine:
             if peers is not None:
                 peers.shutdown()
             raise
+        if peers is not None:  # the other ranks go with this engine, or at exit
+            weakref.finalize(self, self.runner.shutdown)
         self.config = fit_kv_cache(resolved, config, self.runner.measure_kv_blocks(),
                                    self.runner.measure_host_blocks())
         self.runner.setup(self.config)

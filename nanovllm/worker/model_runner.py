@@ -299,4 +299,12 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Rank 0 of a tensor-parallel group: stop the other ranks and leave the group."""
         if self.peers is not None:
+            self.release_graphs()
             self.peers.shutdown()
+
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs (under tensor parallelism they hold NCCL work) before the
+        process group goes; the runner runs eagerly after this."""
+        if self.graphs is not None:
+            self.graphs = None
+            torch.cuda.synchronize()

@@ -137,19 +137,21 @@ class Peers:
                 f"--tensor-parallel-size {rdv.world_size}, `nanovllm worker` on the others"
             )
         log.info("tensor parallelism: %d ranks meeting at %s", size, rdv.init_method)
+        if self.procs:  # from here on: a rank that dies cannot leave rank 0 waiting
+            threading.Thread(target=self._watch, name="nanovllm-tp-watchdog",
+                             daemon=True).start()
         try:
-            _join(rdv)
+            with self.busy_section():
+                _join(rdv)
         except Exception:
             self._stop_procs()
             raise
         self.control_group = dist.group.WORLD
         self._header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         self.control(WorkerInit(model_path, config, frozenset(eos_token_ids)))
-        self.main_group = _main_group(config, rdv.local_rank)
+        with self.busy_section():
+            self.main_group = _main_group(config, rdv.local_rank)
         self.tp = TensorParallel(0, size, self.main_group)
-        if self.procs:
-            threading.Thread(target=self._watch, name="nanovllm-tp-watchdog",
-                             daemon=True).start()
 
     def _spawn(self, rdv: Rendezvous) -> None:
         """Start ranks 1.. on this machine as `python -m nanovllm worker` with the env://
@@ -272,21 +274,35 @@ class Peers:
                 dist.broadcast_object_list([Shutdown()], 0, group=self.control_group)
             except RuntimeError:
                 pass  # a rank is gone already
+        _leave_group()  # while the other ranks leave theirs: NCCL's teardown meets them
         self._stop_procs()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
     def _stop_procs(self) -> None:
+        """Wait for the ranks this process started, then close their pipe (EOF ends any
+        that lingers)."""
         self._closing = True
-        if self.procs:
-            os.close(self._alive)
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.procs:
+            os.close(self._alive)
         self.procs = []
+
+
+def _leave_group(timeout: float = 15.0) -> None:
+    """destroy_process_group, given `timeout` seconds: NCCL's teardown waits for the other
+    ranks', and a rank that is gone must not hold this one at exit."""
+    if not dist.is_initialized():
+        return
+    done = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    done.start()
+    done.join(timeout)
+    if done.is_alive():
+        log.warning("leaving the tensor-parallel group took over %.0f s; left it behind",
+                    timeout)
 
 
 class _Busy:
@@ -369,8 +385,9 @@ def run_worker(rdv: Rendezvous | None = None) -> int:
         log.error("rank %d: the group broke (%s); leaving", rdv.rank, e)
         return 1
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if runner is not None:
+            runner.release_graphs()
+        _leave_group()
     return 0
 
 

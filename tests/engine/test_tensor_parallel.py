@@ -15,6 +15,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from nanovllm import LLM, ConfigError, SamplingParams
 from tests.support import build_tiny_model, greedy, hf_greedy, load_hf_model, make_prompts
@@ -43,8 +44,8 @@ def model(request, tmp_path_factory):
     return path, load_hf_model(path)
 
 
-def run(path, prompts, params, **options):
-    llm = LLM(str(path), device="cpu", **options)
+def run(path, prompts, params, device="cpu", **options):
+    llm = LLM(str(path), device=device, **options)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         sched = llm.engine.scheduler
@@ -70,6 +71,27 @@ def test_tp2_greedy_equals_transformers_and_one_device(model, setting):
     if setting != "chunked":
         assert preemptions > 0, "the setting was meant to preempt"
     assert free == SETTINGS[setting]["num_kv_blocks"], "a KV block leaked"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_tp2_on_two_gpus_equals_transformers_and_one_gpu(model, graphs):
+    """NCCL: the step's inputs broadcast from rank 0's buffers, CUDA graphs captured on both
+    ranks with their all-reduces inside, overlap on (the GPU default)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    path, hf = model
+    prompts = make_prompts(seed=3, count=8, shared_prefix=12)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    options = dict(device="cuda", dtype="float32", num_kv_blocks=256, block_size=16,
+                   enforce_eager=not graphs)
+    one, _, _ = run(path, prompts, params, **options)
+    two, _, free = run(path, prompts, params, tensor_parallel_size=2, **options)
+    for prompt, a, b in zip(prompts, one, two):
+        assert b.token_ids == hf_greedy(hf, prompt, MAX_TOKENS) == a.token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert all(abs(la[k] - lb[k]) < 1e-3 for k in la)
+    assert free == 256
 
 
 def test_tp2_sampling_equals_one_device(tmp_path):
