@@ -38,6 +38,10 @@ def child(args: argparse.Namespace) -> dict:
     opts = dict(max_model_len=4096 if not quick else 512, tensor_parallel_size=args.child)
     if quick:
         opts.update(device="cpu", num_kv_blocks=512)
+    if args.max_num_seqs:
+        opts.update(max_num_seqs=args.max_num_seqs)
+    if args.max_num_batched_tokens:
+        opts.update(max_num_batched_tokens=args.max_num_batched_tokens)
     start = time.perf_counter()
     llm = LLM(args.model, **opts)
     load_s = time.perf_counter() - start
@@ -84,6 +88,9 @@ def main() -> None:
     ap.add_argument("--model-dir", default=None, help="where the random model is written")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="(default: the engine's)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="(default: the engine's)")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -101,6 +108,9 @@ def main() -> None:
             cmd = [sys.executable, "-m", "benchmarks.tensor_parallel", "--child", str(tp),
                    "--model", str(model), "--result", f.name] + (["--quick"] if args.quick
                                                                   else [])
+            for flag in ("max_num_seqs", "max_num_batched_tokens"):
+                if getattr(args, flag):
+                    cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
             subprocess.run(cmd, check=True)
             results.append(json.loads(Path(f.name).read_text()))
     base = results[0]
