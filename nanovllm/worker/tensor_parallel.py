@@ -69,6 +69,7 @@ class Rendezvous:
     local_rank: int  # the GPU this rank uses on its host
     addr: str
     port: int
+    launched: bool = False  # by torchrun / Slurm / by hand: the env:// variables
 
     @classmethod
     def from_env(cls) -> Rendezvous | None:
@@ -79,7 +80,7 @@ class Rendezvous:
         try:
             return cls(int(env["RANK"]), int(env["WORLD_SIZE"]),
                        int(env.get("LOCAL_RANK", 0)), env["MASTER_ADDR"],
-                       int(env["MASTER_PORT"]))
+                       int(env["MASTER_PORT"]), launched=True)
         except (KeyError, ValueError) as e:
             raise ConfigError(
                 f"WORLD_SIZE is set, so the ranks meet through env://: set RANK, WORLD_SIZE, "
@@ -89,7 +90,9 @@ class Rendezvous:
 
     @property
     def init_method(self) -> str:
-        return f"tcp://{self.addr}:{self.port}"
+        # env:// lets torch reuse torchrun's own store on MASTER_PORT (rank 0 would fail to
+        # bind it again)
+        return "env://" if self.launched else f"tcp://{self.addr}:{self.port}"
 
 
 def _join(rdv: Rendezvous) -> None:

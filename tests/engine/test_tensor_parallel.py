@@ -156,10 +156,12 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def test_env_rendezvous_joins_ranks_started_apart(tiny_llama):
+@pytest.mark.parametrize("rank1", ["worker", "same command"])
+def test_env_rendezvous_joins_ranks_started_apart(tiny_llama, rank1):
     """Two "hosts": each rank is started on its own with the launcher's variables (as
     torchrun or Slurm would, LOCAL_RANK 0 on both); rank 0 runs `nanovllm generate`, rank 1
-    `nanovllm worker`. The text equals one device's, and rank 1 leaves when rank 0 ends."""
+    `nanovllm worker` or the same command (as torchrun starts it on every rank), which
+    serves as a worker. The text equals one device's; rank 1 leaves when rank 0 ends."""
     command = ["generate", "--model", str(tiny_llama), "--raw", "--temperature", "0",
                "--max-tokens", "12", "--ignore-eos", "--num-kv-blocks", "64",
                "The quick brown fox"]
@@ -169,17 +171,35 @@ def test_env_rendezvous_joins_ranks_started_apart(tiny_llama):
     port = _free_port()
     base = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                 LOCAL_RANK="0")
-    worker = _cli("worker", env=dict(base, RANK="1"))
-    leader = _cli(*command, "--tensor-parallel-size", "2", env=dict(base, RANK="0"))
+    tp = ["--tensor-parallel-size", "2"]
+    worker = _cli(*(["worker"] if rank1 == "worker" else command + tp), env=dict(base, RANK="1"))
+    leader = _cli(*command, *tp, env=dict(base, RANK="0"))
     try:
         out, err = leader.communicate(timeout=120)
         assert leader.returncode == 0, err
         assert out == expected
         assert worker.wait(timeout=30) == 0, worker.stderr.read()
+        assert worker.stdout.read() == ""  # the worker printed no text of its own
     finally:
         for proc in (worker, leader):
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_torchrun_starts_every_rank_with_the_same_command(tiny_llama):
+    command = ["generate", "--model", str(tiny_llama), "--raw", "--temperature", "0",
+               "--max-tokens", "12", "--ignore-eos", "--num-kv-blocks", "64",
+               "The quick brown fox"]
+    alone = _cli(*command)
+    expected, err = alone.communicate(timeout=120)
+    assert alone.returncode == 0, err
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), "-m", "nanovllm", *command,
+         "--tensor-parallel-size", "2"],
+        capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == expected  # rank 0's text; rank 1 printed nothing
 
 
 DEATH = textwrap.dedent("""

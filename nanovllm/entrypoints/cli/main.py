@@ -87,6 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+ENGINE_COMMANDS = ("generate", "chat", "serve")
+
+
+def _launched_rank() -> int:
+    """RANK when a launcher set the env:// variables (WORLD_SIZE), else 0."""
+    if "WORLD_SIZE" not in os.environ:
+        return 0
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from nanovllm.worker.tensor_parallel import run_worker
 
@@ -101,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         _configure_logging(args.verbose, timestamps=args.verbose or args.command == "serve")
+        if args.command in ENGINE_COMMANDS and _launched_rank() > 0:
+            # torchrun / Slurm start the same command on every rank: the others serve rank 0
+            return cmd_worker(args)
         return args.func(args)
     except NanoVLLMError as e:
         message = " ".join(with_flags(str(e)).split())  # one line, whatever the message
