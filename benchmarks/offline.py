@@ -115,12 +115,10 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    opts: dict = dict(
-        max_model_len=4096,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-    )
+    opts: dict = dict(max_model_len=4096)  # bench.py's one option; the rest the engine's
+    for name in ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization"):
+        if getattr(args, name) is not None:
+            opts[name] = getattr(args, name)
     if args.block_size is not None:
         opts["block_size"] = args.block_size
     if args.enforce_eager:
@@ -223,9 +221,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="timed runs in one process")
     ap.add_argument("--alternate-overlap", action="store_true",
                     help="with --repeat: flip overlap before each further run (A/B)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--max-num-seqs", type=int, default=512)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="(default: the engine's)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="(default: the engine's)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="(default: the engine's)")
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--out", help="write every figure to this JSON file")
     ap.add_argument(

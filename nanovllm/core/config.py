@@ -15,8 +15,11 @@ class EngineConfig:
     """Everything `LLM(model, **config)` accepts besides the model path. None and "auto"
     mean: chosen for the device and model at start-up (see ResolvedConfig)."""
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    # most tokens and sequences in one step. None: chosen for the device (engine/resolve.py):
+    # 2,048 and 64 on a CPU; 16,384 and 512 on a GPU with 40 GiB or more (8,192 and 256 on a
+    # smaller one), max_num_seqs then capped at the KV cache's blocks
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     max_model_len: int | None = None  # None: the model's context, or what the KV cache holds
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_gib / gpu_memory_utilization
@@ -83,12 +86,17 @@ class EngineConfig:
 
         if self.scheduling_policy not in POLICIES:
             bad("scheduling_policy", f"choose one of {', '.join(POLICIES)}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             bad("max_num_seqs", "use an integer >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            bad("max_num_batched_tokens", "use an integer >= 1")
         if self.tensor_parallel_size < 1:
             bad("tensor_parallel_size", "use an integer >= 1 (1: one device, no sharding)")
-        if self.admission_batch is not None and not 1 <= self.admission_batch <= self.max_num_seqs:
+        if self.admission_batch is not None and not 1 <= self.admission_batch <= (
+                self.max_num_seqs or self.admission_batch):
             bad("admission_batch", f"use an integer in [1, max_num_seqs={self.max_num_seqs}]")
+        if self.admission_batch is not None and self.admission_batch < 1:
+            bad("admission_batch", "use an integer >= 1")
         if self.admission_max_delay < 0:
             bad("admission_max_delay", "use a number of steps >= 0")
         if self.admission_headroom < 0:
@@ -106,7 +114,8 @@ class EngineConfig:
                 "swap_space and cpu_offload_gib need enable_prefix_caching=True: the host "
                 "tier finds blocks by their content hash"
             )
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if (self.max_num_batched_tokens is not None and self.max_num_seqs is not None
+                and self.max_num_batched_tokens < self.max_num_seqs):
             bad(
                 "max_num_batched_tokens",
                 f"it must be >= max_num_seqs={self.max_num_seqs} so every running "

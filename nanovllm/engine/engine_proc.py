@@ -95,6 +95,7 @@ def run_engine_loop(conn: Connection, config: EngineProcessConfig) -> None:
         block_size=engine.config.block_size,
         eos_token_ids=tuple(sorted(engine.eos_token_ids)),
         pid=os.getpid(),
+        max_num_seqs=engine.config.max_num_seqs,
     )))  # fmt: skip
     sampler = stack_sampler.from_env(".engine")  # NANOVLLM_SAMPLE_STACKS: where time goes
     try:

@@ -79,6 +79,7 @@ class EngineInfo:
     block_size: int
     eos_token_ids: tuple[int, ...]
     pid: int
+    max_num_seqs: int  # rows in one step, as resolved for the device
 
 
 @dataclass(frozen=True)

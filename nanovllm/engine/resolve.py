@@ -34,15 +34,19 @@ def resolve_config(
             f"{context} tokens (max_position_embeddings); use at most {context}"
         )
     graphs = cuda and not config.enforce_eager
+    max_num_seqs, max_num_batched_tokens = _step_limits(config, cuda)
     admission = config.admission_batch
     if admission is None:  # graphs make decode-only steps the cheap ones
-        admission = min(GPU_ADMISSION_BATCH, config.max_num_seqs) if graphs else 1
+        admission = min(GPU_ADMISSION_BATCH, max_num_seqs) if graphs else 1
+    if admission > max_num_seqs:
+        raise ConfigError(f"admission_batch={admission} is invalid: use an integer in "
+                          f"[1, max_num_seqs={max_num_seqs}]")
     return ResolvedConfig(
         device=device,
         dtype=_dtype(config.dtype, model.dtype, device),
         max_model_len=config.max_model_len or context,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks,
         kv_cache_gib=config.kv_cache_gib,
@@ -82,8 +86,14 @@ def fit_kv_cache(resolved: ResolvedConfig, asked: EngineConfig, num_blocks: int,
             "least that many for one sequence; lower max_model_len or give the cache more "
             "memory (num_kv_blocks, kv_cache_gib, gpu_memory_utilization)"
         )
+    max_num_seqs, admission = resolved.max_num_seqs, resolved.admission_batch
+    if asked.max_num_seqs is None and max_num_seqs > num_blocks:
+        # every running sequence holds a block: more rows than blocks could never run
+        max_num_seqs = max(1, num_blocks)
+        admission = min(admission, max_num_seqs)
     return dataclasses.replace(resolved, num_kv_blocks=num_blocks, max_model_len=max_model_len,
-                               num_host_blocks=num_host_blocks)
+                               num_host_blocks=num_host_blocks, max_num_seqs=max_num_seqs,
+                               admission_batch=admission)
 
 
 def _weight_format(name: str, device: str, quantized_file: bool) -> str:
@@ -142,6 +152,36 @@ def _attention(name: str, cuda: bool) -> str:
             "TRITON_INTERPRET=1); use 'auto' or 'torch'"
         )
     return name
+
+
+# (max_num_seqs, max_num_batched_tokens) when not given. A CPU's steps are bound by its
+# matmuls: 64 rows and 2,048 tokens keep a step short. A GPU needs wide steps to run near its
+# speed of light: the seed workload (256 sequences, bench.py) ran at 13,637 tok/s with 64 /
+# 2,048 and 23,136-23,283 with 512 / 16,384 on an H200 (issue 11); a GPU under 40 GiB gets
+# half, so the largest step's activations leave room for the KV cache.
+CPU_STEP_LIMITS = (64, 2048)
+GPU_STEP_LIMITS = (512, 16384)
+SMALL_GPU_STEP_LIMITS = (256, 8192)
+SMALL_GPU_GIB = 40
+
+
+def _step_limits(config: EngineConfig, cuda: bool) -> tuple[int, int]:
+    """max_num_seqs and max_num_batched_tokens: the ones given, the others for the device;
+    a default never contradicts a given value (tokens >= rows)."""
+    if not cuda:
+        seqs, tokens = CPU_STEP_LIMITS
+    elif torch.cuda.get_device_properties(0).total_memory >= SMALL_GPU_GIB * 2**30:
+        seqs, tokens = GPU_STEP_LIMITS
+    else:
+        seqs, tokens = SMALL_GPU_STEP_LIMITS
+    given_seqs, given_tokens = config.max_num_seqs, config.max_num_batched_tokens
+    if given_seqs is not None and given_tokens is not None:
+        return given_seqs, given_tokens
+    if given_seqs is not None:
+        return given_seqs, max(tokens, given_seqs)
+    if given_tokens is not None:
+        return min(seqs, given_tokens), given_tokens
+    return seqs, tokens
 
 
 def _tensor_parallel(size: int, device: str, model: ModelConfig) -> int:

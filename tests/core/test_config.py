@@ -126,3 +126,39 @@ def test_messages_in_full(kwargs, message):
 def test_every_device_name_is_accepted():
     for device in ("auto", "cpu", "cuda"):  # a config only: nothing is allocated
         assert EngineConfig(device=device).device == device
+
+
+def test_step_limits_fit_the_device(monkeypatch):
+    """max_num_seqs / max_num_batched_tokens: given values stand; the others are the device's
+    (64 / 2,048 on a CPU; 512 / 16,384 on a GPU of 40 GiB or more, 256 / 8,192 below), never
+    contradicting a given one; after sizing, an automatic max_num_seqs is at most the KV
+    cache's blocks."""
+    import torch
+
+    from nanovllm.engine import resolve
+
+    cpu = EngineConfig()
+    assert resolve._step_limits(cpu, cuda=False) == (64, 2048)
+
+    class Props:
+        total_memory = 141 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props)
+    assert resolve._step_limits(cpu, cuda=True) == (512, 16384)
+    assert resolve._step_limits(EngineConfig(max_num_seqs=1024), cuda=True) == (1024, 16384)
+    assert resolve._step_limits(EngineConfig(max_num_seqs=40000), cuda=True) == (40000, 40000)
+    assert resolve._step_limits(EngineConfig(max_num_batched_tokens=300), cuda=True) == (300, 300)
+    Props.total_memory = 24 * 2**30
+    assert resolve._step_limits(cpu, cuda=True) == (256, 8192)
+    resolved = ResolvedConfig(
+        device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=512,
+        max_num_batched_tokens=16384, block_size=16, num_kv_blocks=None, kv_cache_gib=None,
+        gpu_memory_utilization=0.9, enable_prefix_caching=True, scheduling_policy="fair",
+        admission_batch=16, admission_max_delay=16, cuda_graphs=True, overlap=True,
+        kernels="triton", attention_backend="triton", seed=0, num_threads=None,
+    )
+    small = resolve.fit_kv_cache(resolved, cpu, num_blocks=10)
+    assert (small.max_num_seqs, small.admission_batch) == (10, 10)
+    assert resolve.fit_kv_cache(resolved, cpu, num_blocks=4000).max_num_seqs == 512
+    kept = resolve.fit_kv_cache(resolved, EngineConfig(max_num_seqs=512), num_blocks=10)
+    assert kept.max_num_seqs == 512  # asked for: kept

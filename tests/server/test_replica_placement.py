@@ -16,7 +16,7 @@ BS = 4
 class FakeClient:
     def __init__(self) -> None:
         self.info = EngineInfo(max_model_len=64, vocab_size=100, num_kv_blocks=8,
-                               block_size=BS, eos_token_ids=(2,), pid=0)
+                               block_size=BS, eos_token_ids=(2,), pid=0, max_num_seqs=4)
         self.alive, self.error = True, None
         self.added, self.released = [], []
 

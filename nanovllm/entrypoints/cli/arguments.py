@@ -67,8 +67,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     opt("max_model_len", type=int, metavar="N",
         help="longest sequence, prompt and output together (default: the model's context, "
         "or what the KV cache holds if less)")
-    opt("max_num_seqs", type=int, metavar="N", help="most sequences in one step")
-    opt("max_num_batched_tokens", type=int, metavar="N", help="most tokens in one step")
+    opt("max_num_seqs", type=int, metavar="N",
+        help="most sequences in one step (default: 64 on the CPU; on a GPU 512, 256 under "
+        "40 GiB, at most the KV cache's blocks)")
+    opt("max_num_batched_tokens", type=int, metavar="N",
+        help="most tokens in one step (default: 2048 on the CPU; on a GPU 16384, 8192 under "
+        "40 GiB)")
     opt("block_size", type=int, metavar="N", help="tokens per KV cache block, a power of two")
     opt("num_kv_blocks", "--num-kv-blocks", "--num-gpu-blocks-override", type=int, metavar="N",
         help="KV cache blocks (default: sized from --kv-cache-gib or "

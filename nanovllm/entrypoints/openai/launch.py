@@ -56,7 +56,7 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
             served_model_name=server.served_model_name or served_name(engine.model),
             api_key=server.api_key or os.environ.get("NANOVLLM_API_KEY") or None,
             max_request_bytes=server.max_request_bytes,
-            max_n=min(MAX_N, engine.engine.max_num_seqs),
+            max_n=min(MAX_N, client.info.max_num_seqs),
             protect_metrics=server.protect_metrics,
         )
         app = build_app(client, tokenizer, config)
