@@ -47,6 +47,11 @@ class EngineConfig:
     # back costs less than recomputing them) | swap | recompute
     preemption_mode: str = "auto"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # auto: the model's dtype | fp8: float8 e4m3, half a bf16 cache's bytes (KVFormat in
+    # worker/kv_cache.py). kv_cache_scales: token (a scale per token and head, its amax /
+    # 448) | tensor (one static scale of 1). The torch attention backend reads it for now.
+    kv_cache_dtype: str = "auto"
+    kv_cache_scales: str = "token"
     device: str = "auto"  # auto | cpu | cuda
     enforce_eager: bool = False  # no CUDA graphs
     # Triton norms/RoPE/SiLU and one-pass sampler. None: on CUDA. True on a CPU needs
@@ -131,6 +136,10 @@ class EngineConfig:
             bad("gpu_memory_utilization", "use a fraction in (0, 1]")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             bad("dtype", "choose auto, float32, bfloat16 or float16")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            bad("kv_cache_dtype", "choose auto (the model's dtype) or fp8")
+        if self.kv_cache_scales not in ("token", "tensor"):
+            bad("kv_cache_scales", "choose token or tensor")
         if self.device not in ("auto", "cpu", "cuda"):
             bad("device", "choose auto, cpu or cuda")
         if self.attention_backend not in ("auto", "triton", "torch"):
@@ -172,6 +181,8 @@ class ResolvedConfig:
     preemption_mode: str = "auto"
     num_host_blocks: int = 0  # swap_space + cpu_offload_gib in blocks, once the cache is sized
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8"
+    kv_cache_scales: str = "token"  # fp8: "token" | "tensor"
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -184,7 +195,9 @@ class ResolvedConfig:
             f"max_num_seqs={self.max_num_seqs} "
             f"max_num_batched_tokens={self.max_num_batched_tokens} "
             f"kv_cache={self.num_kv_blocks}x{self.block_size} tokens "
-            f"prefix_caching={_on(self.enable_prefix_caching)} "
+            + (f"({self.kv_cache_dtype}, scales per {self.kv_cache_scales}) "
+               if self.kv_cache_dtype != "auto" else "")
+            + f"prefix_caching={_on(self.enable_prefix_caching)} "
             f"policy={self.scheduling_policy} admission_batch={self.admission_batch} "
             f"cuda_graphs={_on(self.cuda_graphs)} overlap={_on(self.overlap)} "
             f"kernels={self.kernels} attention={self.attention_backend} "

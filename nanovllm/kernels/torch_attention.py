@@ -1,9 +1,41 @@
-"""Paged attention in plain torch: the CPU backend and the reference for the GPU kernels."""
+"""Paged attention in plain torch: the CPU backend and the reference for the GPU kernels.
+
+A cache of bytes (uint8) holds float8 e4m3 values (kv_cache_dtype="fp8", worker/kv_cache.py
+KVFormat): its last dimension is head_dim (one static scale of 1) or head_dim + 4 (the
+token-head's float32 scale after its values). K/V are quantized as they are stored and
+dequantized as a row's context is read, to the query's dtype.
+"""
 
 import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def quantize_fp8(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[T, H, D] -> the cache's bytes [T, H, width]: float8 values, then (width D + 4) each
+    token-head's float32 scale amax / 448, so its largest value maps to 448."""
+    dim = x.shape[-1]
+    if width == dim:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    values = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+    return torch.cat([values, scale.view(torch.uint8)], -1)
+
+
+def dequantize_fp8(raw: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The cache's bytes [..., width] -> values [..., dim] in `dtype`."""
+    x = raw[..., :dim].view(FP8).float()
+    if raw.shape[-1] > dim:
+        x = x * raw[..., dim:].contiguous().view(torch.float32)
+    return x.to(dtype)
+
+
+def _read(raw: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_fp8(raw, dim, dtype) if raw.dtype == torch.uint8 else raw
 
 
 def store_kv(
@@ -13,13 +45,16 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write each token's K/V ([T, Hkv, D]) into its cache slot."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    """Write each token's K/V ([T, Hkv, D]) into its cache slot (quantized for an fp8
+    cache)."""
+    num_kv_heads, width = k.shape[1], k_cache.shape[-1]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    if k_cache.dtype == torch.uint8:
+        k, v = quantize_fp8(k, width), quantize_fp8(v, width)
+    k_cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, v)
 
 
 def paged_attention(
@@ -31,7 +66,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of q ([T, Hq, D]) over each row's cached context; returns [T, Hq, D]."""
     if meta.query_lens_host == [1]:  # single-stream decode: no output buffer to fill
-        k, v = _context(k_cache, v_cache, meta, 0)
+        k, v = _context(k_cache, v_cache, meta, 0, q)
         return _decode_one(q[0], k, v, scale)[None]
     out = torch.empty_like(q)
     starts = _host_starts(meta.query_lens_host)
@@ -44,7 +79,7 @@ def paged_attention(
     for i, n in enumerate(meta.query_lens_host):
         if i in done or n == 0:
             continue
-        k, v = _context(k_cache, v_cache, meta, i)
+        k, v = _context(k_cache, v_cache, meta, i, q)
         if n == 1:  # one decode token sees its whole context: no mask, two small matmuls
             out[starts[i]] = _decode_one(q[starts[i]], k, v, scale)
             continue
@@ -53,12 +88,14 @@ def paged_attention(
     return out
 
 
-def _context(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, i: int):
-    """Row i's cached K and V ([L, Hkv, D]), in context order."""
+def _context(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, i: int,
+             q: torch.Tensor):
+    """Row i's cached K and V ([L, Hkv, D]), in context order, in q's dtype."""
     slots = _context_slots(meta, i, k_cache.shape[1])
-    heads, dim = k_cache.shape[2], k_cache.shape[3]
-    return (k_cache.view(-1, heads, dim).index_select(0, slots),
-            v_cache.view(-1, heads, dim).index_select(0, slots))
+    heads, width = k_cache.shape[2], k_cache.shape[3]
+    dim = q.shape[-1]
+    return (_read(k_cache.view(-1, heads, width).index_select(0, slots), dim, q.dtype),
+            _read(v_cache.view(-1, heads, width).index_select(0, slots), dim, q.dtype))
 
 
 def _context_slots(meta: AttentionMetadata, i: int, block_size: int) -> torch.Tensor:
@@ -116,8 +153,8 @@ def _decode_batched(q, k_cache, v_cache, meta, scale, rows, starts, out) -> None
     row_idx = torch.tensor(rows, device=q.device)
     tok_idx = torch.tensor([starts[i] for i in rows], device=q.device)
     tables = meta.block_tables[row_idx, :num_blocks].long()
-    k = k_cache[tables].flatten(1, 2)  # [R, L, Hkv, D]
-    v = v_cache[tables].flatten(1, 2)
+    k = _read(k_cache[tables].flatten(1, 2), q.shape[-1], q.dtype)  # [R, L, Hkv, D]
+    v = _read(v_cache[tables].flatten(1, 2), q.shape[-1], q.dtype)
     lens = meta.context_lens[row_idx].to(q.device)
     mask = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # [R, L]
     qr = q[tok_idx].unsqueeze(2)  # [R, Hq, 1, D]

@@ -13,6 +13,7 @@ import logging
 import mmap
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,15 +28,44 @@ log = logging.getLogger("nanovllm")
 CPU_KV_CACHE_GIB = 2.0  # the CPU's default budget (kv_cache_gib overrides it)
 
 
-def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * elem
+FP8_SCALE_BYTES = 4  # kv_cache_scales="token": a float32 scale after each token-head's values
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How one token's K (or V) of one head is stored: `width` elements of `dtype`.
+
+    The model's dtype with width head_dim, or for kv_cache_dtype="fp8" bytes (uint8) holding
+    float8 e4m3 values: width head_dim with one static scale of 1 (kv_cache_scales="tensor"),
+    or head_dim + 4 where the last 4 bytes are the float32 scale of that token and head
+    ("token", chosen per token as its amax / 448). The kernels tell the formats apart by the
+    cache's dtype and width (kernels/torch_attention.py)."""
+
+    dtype: torch.dtype
+    width: int
+
+    @classmethod
+    def of(cls, kv_cache_dtype: str, scales: str, model_dtype: torch.dtype,
+           head_dim: int) -> "KVFormat":
+        if kv_cache_dtype != "fp8":
+            return cls(model_dtype, head_dim)
+        return cls(torch.uint8, head_dim + (FP8_SCALE_BYTES if scales == "token" else 0))
+
+    @property
+    def bytes_per_head(self) -> int:
+        return self.width * torch.empty(0, dtype=self.dtype).element_size()
+
+
+def kv_bytes_per_token(model: ModelConfig, fmt: "KVFormat | torch.dtype") -> int:
+    if isinstance(fmt, torch.dtype):
+        fmt = KVFormat(fmt, model.head_dim)
+    return 2 * model.num_hidden_layers * model.num_key_value_heads * fmt.bytes_per_head
 
 
 def plan_num_blocks(
     config: ResolvedConfig,
     model: ModelConfig,
-    dtype: torch.dtype,
+    fmt: KVFormat,
     device: torch.device,
     activation_peak: Callable[[], int],
 ) -> int:
@@ -44,7 +74,7 @@ def plan_num_blocks(
     activations (`activation_peak()`, a profiling pass) are set aside; 2 GiB on a CPU."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_bytes_per_token(model, dtype) * config.block_size
+    per_block = kv_bytes_per_token(model, fmt) * config.block_size
     if config.kv_cache_gib is not None:
         budget = config.kv_cache_gib * 2**30
     elif device.type == "cuda":
@@ -70,11 +100,14 @@ class KVCache:
     """The cache tensor of `num_blocks` blocks, bound to the model's attention layers."""
 
     def __init__(
-        self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: torch.device,
+        self, model: ModelConfig, num_blocks: int, block_size: int,
+        fmt: KVFormat | torch.dtype, device: torch.device,
     ) -> None:
+        if isinstance(fmt, torch.dtype):
+            fmt = KVFormat(fmt, model.head_dim)
+        dtype = fmt.dtype
         shape = (2, model.num_hidden_layers, num_blocks, block_size, model.num_key_value_heads,
-                 model.head_dim)
+                 fmt.width)
         self.num_blocks, self.block_size = num_blocks, block_size
         if device.type == "cpu":
             # anonymous mmap pages are zeroed by the OS when first touched: no 2 GiB memset
@@ -100,9 +133,9 @@ class KVCache:
             attn.k_cache = attn.v_cache = torch.empty(0)
 
 
-def plan_num_host_blocks(config: ResolvedConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+def plan_num_host_blocks(config: ResolvedConfig, model: ModelConfig, fmt: KVFormat) -> int:
     """Host-tier blocks in swap_space + cpu_offload_gib GiB."""
-    per_block = kv_bytes_per_token(model, dtype) * config.block_size
+    per_block = kv_bytes_per_token(model, fmt) * config.block_size
     return int((config.swap_space + config.cpu_offload_gib) * 2**30 // per_block)
 
 
@@ -156,12 +189,13 @@ class HostKVPool:
             cache.index_copy_(2, blocks, staged.movedim(0, 2))
 
 
-def measure_preemption_cost(cache: KVCache, model: ModelConfig, max_tokens: int) -> PreemptionCost:
+def measure_preemption_cost(cache: KVCache, model: ModelConfig, max_tokens: int,
+                            dtype: torch.dtype) -> PreemptionCost:
     """The rates the scheduler weighs swap against recompute with, measured here: one
     64 MiB copy device -> host -> device, and a matmul of the model's MLP shape at
     `max_tokens` rows (a full prefill chunk)."""
-    t = cache.tensor
-    device, dtype = t.device, t.dtype
+    t = cache.tensor  # `dtype`: the model's (the cache's may be bytes of fp8)
+    device = t.device
     cuda = device.type == "cuda"
 
     def timed(fn) -> float:
@@ -175,8 +209,8 @@ def measure_preemption_cost(cache: KVCache, model: ModelConfig, max_tokens: int)
         return time.perf_counter() - start
 
     numel = 64 * 2**20 // t.element_size()
-    src = torch.empty(numel, dtype=dtype, device=device)
-    host = torch.empty(numel, dtype=dtype, pin_memory=cuda)
+    src = torch.empty(numel, dtype=t.dtype, device=device)
+    host = torch.empty(numel, dtype=t.dtype, pin_memory=cuda)
     copy_s = timed(lambda: (host.copy_(src, non_blocking=True), src.copy_(host, non_blocking=True)))
     rows = max(16, min(max_tokens, 4096))
     x = torch.randn(rows, model.hidden_size, dtype=dtype, device=device)

@@ -29,6 +29,7 @@ from nanovllm.worker.inputs import InputBuffers, StepInputs
 from nanovllm.worker.kv_cache import (
     HostKVPool,
     KVCache,
+    KVFormat,
     measure_preemption_cost,
     plan_num_blocks,
     plan_num_host_blocks,
@@ -84,6 +85,8 @@ class ModelRunner:
             model_config, num_attention_heads=heads, num_key_value_heads=kv_heads)
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
+        self.kv_format = KVFormat.of(config.kv_cache_dtype, config.kv_cache_scales, self.dtype,
+                                     model_config.head_dim)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
@@ -132,12 +135,12 @@ class ModelRunner:
             return self.peers.smallest(self._measure_kv_blocks())
 
     def _measure_kv_blocks(self) -> int:
-        return plan_num_blocks(self.config, self.model_config, self.dtype, self.device,
+        return plan_num_blocks(self.config, self.model_config, self.kv_format, self.device,
                                lambda: profile_activation_bytes(self))
 
     def measure_host_blocks(self) -> int:
         """How many blocks the host tier holds (swap_space + cpu_offload_gib)."""
-        return plan_num_host_blocks(self.config, self.model_config, self.dtype)
+        return plan_num_host_blocks(self.config, self.model_config, self.kv_format)
 
     @torch.inference_mode()
     def setup(self, config: ResolvedConfig) -> None:
@@ -154,11 +157,12 @@ class ModelRunner:
     def _setup(self, config: ResolvedConfig) -> None:
         self.config = cfg = config
         self.kv_cache = KVCache(self.model_config, cfg.num_kv_blocks, cfg.block_size,
-                                self.dtype, self.device)
+                                self.kv_format, self.device)
         self.kv_cache.bind(self.model)
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s)",
                  cfg.num_kv_blocks, cfg.block_size, cfg.kv_cache_tokens, self.kv_cache.gib,
-                 cfg.dtype)
+                 cfg.dtype if cfg.kv_cache_dtype == "auto"
+                 else f"{cfg.kv_cache_dtype}, scales per {cfg.kv_cache_scales}")
         if cfg.num_host_blocks:
             self.host_pool = HostKVPool(self.kv_cache, cfg.num_host_blocks)
             log.info("host KV tier: %d blocks, %.2f GiB (swap %g GiB, prefix offload %g GiB)",
@@ -166,7 +170,7 @@ class ModelRunner:
                      cfg.cpu_offload_gib)
             if cfg.swap_space and cfg.preemption_mode == "auto" and self.tp.rank == 0:
                 cost = measure_preemption_cost(self.kv_cache, self.model_config,
-                                               cfg.max_num_batched_tokens)
+                                               cfg.max_num_batched_tokens, self.dtype)
                 self.preemption_cost = cost
                 log.info("preemption cost: copies %.1f GB/s, matmuls %.1f TFLOP/s: a block "
                          "of %d tokens swaps in %.3f ms, recomputes in %.3f ms",

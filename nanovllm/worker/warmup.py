@@ -39,7 +39,7 @@ def profile_activation_bytes(runner: ModelRunner) -> int:
     row_len = min(tokens, runner.model_config.max_position_embeddings)
     rows = -(-tokens // row_len)
     blocks = rows * -(-row_len // bs)
-    cache = KVCache(runner.model_config, blocks, bs, runner.dtype, runner.device)
+    cache = KVCache(runner.model_config, blocks, bs, runner.kv_format, runner.device)
     cache.bind(runner.model)
     seqs = [
         dummy_seq(i, n, n, i * (blocks // rows), bs)

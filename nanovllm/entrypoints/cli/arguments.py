@@ -64,6 +64,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="weights and activations; auto: float32 on the CPU, the checkpoint's half "
         "precision on a GPU")
     opt("device", choices=["auto", "cpu", "cuda"], help="auto: cuda when a GPU is visible")
+    opt("kv_cache_dtype", choices=["auto", "fp8"],
+        help="KV cache storage; fp8: float8 e4m3, half a bf16 cache's memory (the torch "
+        "attention backend reads it so far); auto: the model's dtype")
+    opt("kv_cache_scales", choices=["token", "tensor"],
+        help="fp8 cache: a scale per token and head (token) or one static scale of 1 (tensor)")
     opt("max_model_len", type=int, metavar="N",
         help="longest sequence, prompt and output together (default: the model's context, "
         "or what the KV cache holds if less)")

@@ -1,0 +1,89 @@
+"""What an fp8 KV cache costs in accuracy, per scaling, against the bf16 cache, on the
+default model (issue 11, item 2: the scaling is chosen by these figures).
+
+    python -m benchmarks.kv_accuracy [--max-tokens 64] [--prompts 16]
+
+Every engine runs the default model in bfloat16 with dense weights on the CPU (the torch
+attention backend, the fp8 cache's reference); only the KV cache differs: bf16 (the model's
+dtype), fp8 with a scale per token and head (`--kv-cache-scales token`), fp8 with one static
+scale of 1 (`tensor`). A float32 engine gives the noise floor of bf16 itself.
+
+For each held-out chat prompt (benchmarks/quant_accuracy.py's, used by no speed benchmark),
+the bf16-cache engine's greedy continuation is the text scored: each engine computes its
+next-token distribution at every position of prompt + continuation in one teacher-forced
+pass, which stores every K/V in its cache and reads them back; KL(bf16 cache || engine) is
+averaged over the continuation's positions. Greedy agreement runs each engine freely: the
+share of prompts whose whole continuation equals the bf16 cache's, and the mean length of
+the common prefix.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from benchmarks.quant_accuracy import HELD_OUT, kl
+
+ENGINES = {  # name -> engine options beside the shared ones
+    "float32": dict(dtype="float32"),
+    "bf16 cache": dict(dtype="bfloat16"),
+    "fp8 token": dict(dtype="bfloat16", kv_cache_dtype="fp8", kv_cache_scales="token"),
+    "fp8 tensor": dict(dtype="bfloat16", kv_cache_dtype="fp8", kv_cache_scales="tensor"),
+}
+REFERENCE = "bf16 cache"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=len(HELD_OUT))
+    ap.add_argument("--out", help="write the figures as JSON here")
+    args = ap.parse_args()
+
+    from nanovllm import LLM, SamplingParams
+    from tests.support import engine_logprobs as score
+
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    shared = dict(device="cpu", weight_format="dense", max_num_seqs=16, max_model_len=1024,
+                  kv_cache_gib=0.25)
+    engines = {name: LLM(**shared, **opts) for name, opts in ENGINES.items()}
+    ref = engines[REFERENCE]
+    chats = [ref.engine.render_chat([{"role": "user", "content": q}])
+             for q in HELD_OUT[: args.prompts]]
+    outs = {name: [o.token_ids for o in llm.generate(chats, sp, use_tqdm=False)]
+            for name, llm in engines.items()}
+    figures: dict[str, dict] = {}
+    for name, llm in engines.items():
+        kls, same, prefix = [], 0, 0
+        for chat, base, mine in zip(chats, outs[REFERENCE], outs[name]):
+            ids = chat + base
+            steps = slice(len(chat) - 1, len(ids) - 1)  # the continuation's positions
+            with torch.no_grad():
+                kls.append(kl(score(ref, ids)[steps], score(llm, ids)[steps]))
+            same += mine == base
+            prefix += next((i for i, (a, b) in enumerate(zip(mine, base)) if a != b), len(base))
+        k = torch.cat(kls)
+        figures[name] = {
+            "mean_kl": float(k.mean()), "p99_kl": float(k.quantile(0.99)),
+            "max_kl": float(k.max()), "same_continuation": f"{same}/{len(chats)}",
+            "mean_common_prefix": prefix / len(chats),
+            "kv_bytes_per_token": llm.engine.runner.kv_cache.tensor[:, :, 0, 0].numel()
+            * llm.engine.runner.kv_cache.tensor.element_size(),
+        }
+    print(f"{len(chats)} held-out chat prompts, {args.max_tokens} greedy tokens each; "
+          f"KL({REFERENCE} || engine) per token, nats; default model, bfloat16 on the CPU")
+    print(f"{'KV cache':11s} {'mean KL':>10s} {'p99 KL':>10s} {'max KL':>10s} "
+          f"{'same text':>10s} {'common prefix':>14s} {'KV bytes/token':>15s}")
+    for name, f in figures.items():
+        print(f"{name:11s} {f['mean_kl']:10.2e} {f['p99_kl']:10.2e} {f['max_kl']:10.2e} "
+              f"{f['same_continuation']:>10s} {f['mean_common_prefix']:14.1f} "
+              f"{f['kv_bytes_per_token']:15,d}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"figures": figures, "date": time.strftime("%Y-%m-%d"),
+                       "max_tokens": args.max_tokens}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
