@@ -49,7 +49,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # auto: the model's dtype | fp8: float8 e4m3, half a bf16 cache's bytes (KVFormat in
     # worker/kv_cache.py). kv_cache_scales: token (a scale per token and head, its amax /
-    # 448) | tensor (one static scale of 1). The torch attention backend reads it for now.
+    # 448) | tensor (one static scale of 1). Both attention backends read it.
     kv_cache_dtype: str = "auto"
     kv_cache_scales: str = "token"
     device: str = "auto"  # auto | cpu | cuda

@@ -68,7 +68,7 @@ def resolve_config(
         cpu_offload_gib=config.cpu_offload_gib,
         preemption_mode=config.preemption_mode,
         tensor_parallel_size=_tensor_parallel(config.tensor_parallel_size, device, model),
-        kv_cache_dtype=_kv_cache_dtype(config, _attention(config.attention_backend, cuda)),
+        kv_cache_dtype=config.kv_cache_dtype,
         kv_cache_scales=config.kv_cache_scales,
     )
 
@@ -184,15 +184,6 @@ def _step_limits(config: EngineConfig, cuda: bool) -> tuple[int, int]:
     if given_tokens is not None:
         return min(seqs, given_tokens), given_tokens
     return seqs, tokens
-
-
-def _kv_cache_dtype(config: EngineConfig, attention: str) -> str:
-    if config.kv_cache_dtype == "fp8" and attention != "torch":
-        raise ConfigError(
-            "kv_cache_dtype='fp8' is read by the torch attention backend only so far (the "
-            "Triton kernels do not dequantize it yet); add attention_backend='torch'"
-        )
-    return config.kv_cache_dtype
 
 
 def _tensor_parallel(size: int, device: str, model: ModelConfig) -> int:

@@ -52,6 +52,7 @@ LOG2E = 1.4426950408889634
 # a finite "minus infinity" for running maxima, so a row that has seen no key yet gives
 # exp2(m_old - m_new) = 1 instead of exp2(-inf + inf) = NaN
 NEG_BIG = tl.constexpr(-1.0e30)
+FP8_MAX = tl.constexpr(448.0)  # the largest float8 e4m3 value
 
 # split-KV heuristic (see `choose_num_splits`)
 TARGET_PROGRAMS_PER_SM = 4  # bf16 d128 decode programs fit ~5 per SM (regs and smem)
@@ -139,7 +140,7 @@ def _store_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -158,10 +159,47 @@ def _store_kv_kernel(
                 mask=mask)
     kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs
     vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs
-    tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if FP8:
+        head_mask = offs_h < tl.where(slot >= 0, NUM_HEADS, 0)
+        _store_fp8(kc, k, mask, head_mask, offs_h, offs_d, stride_kch, stride_kcd,
+                   HEAD_DIM, SCALED)
+        _store_fp8(vc, v, mask, head_mask, offs_h, offs_d, stride_vch, stride_vcd,
+                   HEAD_DIM, SCALED)
+    else:
+        tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
+                 k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd,
+                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_fp8(cache, x, mask, head_mask, offs_h, offs_d, stride_h, stride_d,
+               HEAD_DIM: tl.constexpr, SCALED: tl.constexpr):
+    # the torch reference's quantize_fp8: float8 e4m3 bytes, then (SCALED) each head's
+    # float32 scale amax / 448 in the 4 bytes after its values
+    x = x.to(tl.float32)
+    if SCALED:
+        scale = tl.maximum(tl.max(tl.abs(tl.where(mask, x, 0.0)), 1), 1e-12) / FP8_MAX
+        x = x / scale[:, None]
+        scale_ptr = (cache + offs_h * stride_h + HEAD_DIM * stride_d).to(
+            tl.pointer_type(tl.float32))
+        tl.store(scale_ptr, scale, mask=head_mask)
+    x = _round_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
+    tl.store(cache + offs_h[:, None] * stride_h + offs_d[None, :] * stride_d,
+             x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _round_e4m3(x):
+    # x (float32, |x| <= 448) rounded to the nearest float8 e4m3 value, ties to even, in
+    # float32 arithmetic, so the cast after it is exact: the interpreter's own cast loses
+    # the carry of a mantissa that rounds up (1.97 -> 1.0); a GPU's cast would agree
+    bits = x.to(tl.int32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3: subnormal below 2^-6
+    step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer, RNE
+    r = ((tl.abs(x) / step + magic) - magic) * step
+    return tl.where(bits < 0, -r, r)
 
 
 def store_kv(
@@ -182,8 +220,15 @@ def store_kv(
         k, v, k_cache, v_cache, slot_mapping,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=_pow2(num_heads), BLOCK_D=_pow2(head_dim),
+        BLOCK_H=_pow2(num_heads), BLOCK_D=_pow2(head_dim), **_fp8_flags(k_cache, head_dim),
     )
+
+
+def _fp8_flags(cache: torch.Tensor, head_dim: int) -> dict:
+    """A cache of bytes holds float8 e4m3 (kv_cache_dtype="fp8"); one wider than head_dim
+    holds each token-head's float32 scale after its values (torch_attention's format)."""
+    fp8 = cache.dtype == torch.uint8
+    return dict(FP8=fp8, SCALED=fp8 and cache.shape[-1] > head_dim)
 
 
 # ---------------------------------------------------------------------------------------
@@ -196,7 +241,10 @@ def _load_kv_tile(
     stride_b, stride_s, stride_h, stride_d,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
+    FP8: tl.constexpr = False, SCALED: tl.constexpr = False, COMPUTE: tl.constexpr = None,
 ):
+    # FP8: the tile comes back dequantized to COMPUTE (the query's dtype), scaled per
+    # position when SCALED
     # each position looks up its own block, so a tile may span part of a block or several
     if MASKED:
         blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
@@ -224,7 +272,24 @@ def _load_kv_tile(
             other = None
         else:
             mask = dim_ok
-    return tl.load(ptrs, mask=mask, other=other)
+    if not FP8:
+        return tl.load(ptrs, mask=mask, other=other)
+    if MASKED or HEAD_DIM != BLOCK_D:
+        raw = tl.load(ptrs, mask=mask, other=0)
+    else:
+        raw = tl.load(ptrs)
+    x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if SCALED:
+        scale_ptr = (cache_ptr + base + HEAD_DIM * stride_d).to(tl.pointer_type(tl.float32))
+        if MASKED:
+            scale = tl.load(scale_ptr, mask=valid, other=0.0)
+        else:
+            scale = tl.load(scale_ptr)
+        if TRANSPOSED:
+            x = x * scale[None, :]
+        else:
+            x = x * scale[:, None]
+    return x.to(COMPUTE)
 
 
 @triton.jit
@@ -258,6 +323,7 @@ def _decode_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, WRITE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr = False, SCALED: tl.constexpr = False,
 ):
     # num_splits is a runtime int (one compiled kernel serves every split count);
     # WRITE_OUT (num_splits == 1) writes the normalized output directly, skipping the reduce
@@ -296,10 +362,12 @@ def _decode_kernel(
         valid = pos < ctx
         k = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
                           stride_kb, stride_ks, stride_kh, stride_kd,
-                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, True)
+                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, True,
+                          FP8, SCALED, q_ptr.dtype.element_ty)
         v = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
                           stride_vb, stride_vs, stride_vh, stride_vd,
-                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, False)
+                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, False,
+                          FP8, SCALED, q_ptr.dtype.element_ty)
         acc, m_i, l_i = _softmax_step(q.to(k.dtype), k, v, acc, m_i, l_i, valid[None, :],
                                       scale_log2, True, DOT_PRECISION)
 
@@ -362,6 +430,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr = False, SCALED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -408,15 +477,18 @@ def _prefill_kernel(
     kv_end = prefix + tl.minimum(t0 + BLOCK_Q, q_len)
     # tiles wholly at or before the tile's first query position need no mask at all
     full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, kv_end)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not FP8:  # an fp8 cache is read into the query's dtype
+        q = q.to(k_cache_ptr.dtype.element_ty)
     for start in range(0, full_end, BLOCK_N):
         pos = start + offs_n
         k = _load_kv_tile(k_cache_ptr, bt_row, pos, pos < kv_end, kv_head, offs_d,
                           stride_kb, stride_ks, stride_kh, stride_kd,
-                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, True)
+                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, True,
+                          FP8, SCALED, q_ptr.dtype.element_ty)
         v = _load_kv_tile(v_cache_ptr, bt_row, pos, pos < kv_end, kv_head, offs_d,
                           stride_vb, stride_vs, stride_vh, stride_vd,
-                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, False)
+                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, False,
+                          FP8, SCALED, q_ptr.dtype.element_ty)
         acc, m_i, l_i = _softmax_step(q, k, v, acc, m_i, l_i, None, scale_log2,
                                       False, DOT_PRECISION)
     # diagonal tiles: causal mask, and the context end (kv_end <= ctx) for the last one
@@ -425,10 +497,12 @@ def _prefill_kernel(
         valid = pos < kv_end
         k = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
                           stride_kb, stride_ks, stride_kh, stride_kd,
-                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, True)
+                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, True,
+                          FP8, SCALED, q_ptr.dtype.element_ty)
         v = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
                           stride_vb, stride_vs, stride_vh, stride_vd,
-                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, False)
+                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, False,
+                          FP8, SCALED, q_ptr.dtype.element_ty)
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         acc, m_i, l_i = _softmax_step(q, k, v, acc, m_i, l_i, allowed, scale_log2,
                                       True, DOT_PRECISION)
@@ -494,7 +568,7 @@ def paged_attention(
         GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim),
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=cfg.block_n,
         SKIP_DECODE=has_decode_rows, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_fp8_flags(k_cache, head_dim),
     )
     return out
 
@@ -520,7 +594,7 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_G=max(16, _pow2(group)),
         BLOCK_N=cfg.block_n, WRITE_OUT=num_splits == 1, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_fp8_flags(k_cache, head_dim),
     )
     if num_splits > 1:
         _reduce_kernel[(num_rows, num_q_heads)](

@@ -3,7 +3,8 @@ float8 e4m3 with a scale per token and head (or one static scale of 1), read bac
 query's dtype. Attention over it equals attention over the round-tripped values; the round
 trip is within e4m3's spacing; the cache holds about twice the tokens of bf16's; prefix
 hits, preemption and swap keep working (the scales travel with their block); on the default
-model the next-token distributions stay close to the unquantized cache's."""
+model the next-token distributions stay close to the unquantized cache's. The Triton
+kernels on the same cache: tests/model/test_triton_fp8.py, and end to end below."""
 
 import pytest
 import torch
@@ -126,5 +127,20 @@ def test_fp8_settings_say_what_to_change(tiny_llama):
         LLM(str(tiny_llama), device="cpu", kv_cache_dtype="fp16")
     with pytest.raises(ConfigError, match="kv_cache_scales='head' is invalid"):
         LLM(str(tiny_llama), device="cpu", kv_cache_scales="head")
-    with pytest.raises(ConfigError, match="attention_backend='torch'"):
-        LLM(str(tiny_llama), device="cpu", kv_cache_dtype="fp8", attention_backend="triton")
+
+
+def test_triton_engine_on_fp8_equals_the_torch_one(tiny_llama, triton_device):
+    """The whole engine with the Triton kernels (on a CPU in Triton's interpreter) on an fp8
+    cache: the bytes the reference stores, the attention it computes, so the same tokens."""
+    prompts = make_prompts(seed=4, count=4, shared_prefix=8)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_llama), device=triton_device, dtype="float32", enforce_eager=True,
+                  kv_cache_dtype="fp8", num_kv_blocks=64, block_size=16,
+                  attention_backend=backend)
+        outs[backend] = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(outs["torch"], outs["triton"]):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert all(abs(la[k] - lb[k]) < 1e-4 for k in la)

@@ -65,8 +65,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "precision on a GPU")
     opt("device", choices=["auto", "cpu", "cuda"], help="auto: cuda when a GPU is visible")
     opt("kv_cache_dtype", choices=["auto", "fp8"],
-        help="KV cache storage; fp8: float8 e4m3, half a bf16 cache's memory (the torch "
-        "attention backend reads it so far); auto: the model's dtype")
+        help="KV cache storage; fp8: float8 e4m3, about half a bf16 cache's memory; auto: "
+        "the model's dtype")
     opt("kv_cache_scales", choices=["token", "tensor"],
         help="fp8 cache: a scale per token and head (token) or one static scale of 1 (tensor)")
     opt("max_model_len", type=int, metavar="N",
