@@ -116,6 +116,20 @@ def test_tp2_sampling_equals_one_device(tmp_path):
                 assert la.keys() == lb.keys() and all(abs(la[k] - lb[k]) < 1e-4 for k in la)
 
 
+def test_tp2_with_an_fp8_cache_equals_one_device(tiny_llama):
+    """Each rank quantizes its own KV heads; the scales are per token and head, so the
+    shards hold exactly the bytes one device holds."""
+    prompts = make_prompts(seed=6, count=6, shared_prefix=8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    opts = dict(kv_cache_dtype="fp8", num_kv_blocks=128)
+    one, _, _ = run(tiny_llama, prompts, params, **opts)
+    two, _, _ = run(tiny_llama, prompts, params, tensor_parallel_size=2, **opts)
+    for a, b in zip(one, two):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert all(abs(la[k] - lb[k]) < 1e-4 for k in la)
+
+
 def test_bad_tensor_parallel_settings_say_what_to_change(tiny_llama, monkeypatch):
     with pytest.raises(ConfigError, match="4 attention heads .* tensor_parallel_size=3"):
         LLM(str(tiny_llama), device="cpu", tensor_parallel_size=3)
