@@ -212,8 +212,11 @@ class ModelRunner:
         try:
             with self.peers.busy_section():
                 return self._launch(batch, prev)
-        except RuntimeError as e:  # a collective failed: a rank is gone
-            raise self.peers.failure(e) from e
+        except BaseException as e:  # a rank is gone, or this one failed mid-step
+            failure = self.peers.step_failed(e)
+            if failure is e:
+                raise
+            raise failure from e
 
     def _launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
         seqs = batch.sampling_seqs
@@ -251,8 +254,11 @@ class ModelRunner:
             with self.peers.busy_section():
                 self.peers.send_copies(batch.copies_out, batch.copies_in)
                 self._copy_blocks(batch.copies_out, batch.copies_in)
-        except RuntimeError as e:
-            raise self.peers.failure(e) from e
+        except BaseException as e:
+            failure = self.peers.step_failed(e)
+            if failure is e:
+                raise
+            raise failure from e
 
     def _copy_blocks(self, copies_out, copies_in) -> None:
         if copies_out or copies_in:

@@ -223,6 +223,20 @@ class Peers:
     def busy_section(self) -> _Busy:
         return _Busy(self)
 
+    def step_failed(self, error: BaseException) -> BaseException:
+        """What to raise for an error out of a step. After any, the ranks are out of step
+        (the others wait in a collective rank 0 never reaches), so later calls raise
+        RankFailedError: a collective's failure says which rank died; rank 0's own error
+        (out of memory, Ctrl-C) is raised as it is."""
+        if isinstance(error, RankFailedError):
+            return error
+        if self.dead is not None or any(p.poll() is not None for p in self.procs) \
+                or _is_collective_error(error):
+            return self.failure(error)
+        self.dead = (f"rank 0 stopped in the middle of a step ({type(error).__name__}: "
+                     f"{error}), so the ranks are out of step")
+        return error
+
     def failure(self, error: BaseException) -> BaseException:
         """What to raise for an error out of a collective: the dead rank, when one is."""
         for _ in range(20):  # the process may end just after its sockets close
@@ -232,11 +246,9 @@ class Peers:
         gone = [p for p in self.procs if p.poll() is not None]
         if self.dead is None and gone:
             self.dead = self._describe(gone[0])
-        if self.dead is not None:
-            return RankFailedError(f"{self.dead}; the engine cannot continue: start it again")
-        return RankFailedError(
-            f"a tensor-parallel collective failed ({error}); the engine cannot continue"
-        )
+        if self.dead is None:
+            self.dead = f"a tensor-parallel collective failed ({error})"
+        return RankFailedError(f"{self.dead}; the engine cannot continue: start it again")
 
     def _describe(self, proc) -> str:
         rank = self.procs.index(proc) + 1
@@ -293,6 +305,14 @@ class Peers:
         if self.procs:
             os.close(self._alive)
         self.procs = []
+
+
+def _is_collective_error(error: BaseException) -> bool:
+    """An error a collective raised: torch's distributed errors, or gloo's RuntimeErrors
+    (a peer's connection closed)."""
+    dist_error = getattr(dist, "DistError", ())
+    return isinstance(error, dist_error) or (
+        isinstance(error, RuntimeError) and "gloo" in str(error).lower())
 
 
 def _leave_group(timeout: float = 15.0) -> None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, ConfigError, SamplingParams
+from nanovllm.worker.tensor_parallel import RankFailedError
 from tests.support import build_tiny_model, greedy, hf_greedy, load_hf_model, make_prompts
 
 MAX_TOKENS = 10
@@ -260,6 +261,29 @@ def test_a_dead_rank_ends_the_engine_with_a_clear_error(tiny_llama, tmp_path):
     assert len([x for x in lines if x.startswith("error:")]) == 2, proc.stdout + proc.stderr
     assert "tensor-parallel rank 1" in lines[0] and "exited with code -9" in lines[0]
     assert "cannot continue" in lines[0] and lines[-1] == "ended"
+
+
+def test_rank_0_failing_mid_step_ends_the_engine_not_in_a_hang(tiny_llama, monkeypatch):
+    """Rank 0 fails after the other rank started the step (here: its forward pass raises, as
+    an out-of-memory error would): the error reaches the caller as it is, the next call says
+    the ranks are out of step instead of waiting in a collective, and shutdown still ends
+    the other rank."""
+    llm = LLM(str(tiny_llama), device="cpu", num_kv_blocks=64, tensor_parallel_size=2)
+    runner = llm.engine.runner
+    proc = runner.peers.procs[0]
+    try:
+        def out_of_memory(inputs):
+            raise MemoryError("no room for the step")
+
+        monkeypatch.setattr(runner, "logits", out_of_memory)
+        with pytest.raises(MemoryError, match="no room"):
+            llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)
+        monkeypatch.undo()
+        with pytest.raises(RankFailedError, match="rank 0 stopped in the middle of a step"):
+            llm.generate([[8, 9]], greedy(3), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert proc.wait(timeout=20) is not None
 
 
 def test_a_rank_leaves_when_rank_0_dies(tiny_llama, tmp_path):
