@@ -66,9 +66,13 @@ class LLMEngine:
             raise
         if peers is not None:  # the other ranks go with this engine, or at exit
             weakref.finalize(self, self.runner.shutdown)
-        self.config = fit_kv_cache(resolved, config, self.runner.measure_kv_blocks(),
-                                   self.runner.measure_host_blocks())
-        self.runner.setup(self.config)
+        try:
+            self.config = fit_kv_cache(resolved, config, self.runner.measure_kv_blocks(),
+                                       self.runner.measure_host_blocks())
+            self.runner.setup(self.config)
+        except BaseException:
+            self.runner.shutdown()  # a second engine in this process may start now
+            raise
         log.info("engine: %s", self.config.summary())
         cfg = self.config
         self.block_manager = BlockManager(

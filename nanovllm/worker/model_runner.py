@@ -131,8 +131,7 @@ class ModelRunner:
         from nanovllm.worker.messages import MeasureKVBlocks
 
         self.peers.control(MeasureKVBlocks())
-        with self.peers.busy_section():
-            return self.peers.smallest(self._measure_kv_blocks())
+        return self._in_step(lambda: self.peers.smallest(self._measure_kv_blocks()))
 
     def _measure_kv_blocks(self) -> int:
         return plan_num_blocks(self.config, self.model_config, self.kv_format, self.device,
@@ -150,8 +149,7 @@ class ModelRunner:
             from nanovllm.worker.messages import Setup
 
             self.peers.control(Setup(config))
-            with self.peers.busy_section():
-                return self._setup(config)
+            return self._in_step(lambda: self._setup(config))
         return self._setup(config)
 
     def _setup(self, config: ResolvedConfig) -> None:
@@ -209,10 +207,16 @@ class ModelRunner:
         read there (CPU/GPU overlap). The batch's KV copies run first."""
         if self.peers is None:
             return self._launch(batch, prev)
+        return self._in_step(lambda: self._launch(batch, prev))
+
+    def _in_step(self, fn):
+        """Rank 0's side of a call every rank makes together (a step, start-up's sizing and
+        setup): a rank that died, or this rank failing half-way, leaves the group out of
+        step (Peers.step_failed)."""
         try:
             with self.peers.busy_section():
-                return self._launch(batch, prev)
-        except BaseException as e:  # a rank is gone, or this one failed mid-step
+                return fn()
+        except BaseException as e:
             failure = self.peers.step_failed(e)
             if failure is e:
                 raise
@@ -250,15 +254,11 @@ class ModelRunner:
             return
         if self.peers is None:
             return self._copy_blocks(batch.copies_out, batch.copies_in)
-        try:
-            with self.peers.busy_section():
-                self.peers.send_copies(batch.copies_out, batch.copies_in)
-                self._copy_blocks(batch.copies_out, batch.copies_in)
-        except BaseException as e:
-            failure = self.peers.step_failed(e)
-            if failure is e:
-                raise
-            raise failure from e
+        def copies() -> None:
+            self.peers.send_copies(batch.copies_out, batch.copies_in)
+            self._copy_blocks(batch.copies_out, batch.copies_in)
+
+        self._in_step(copies)
 
     def _copy_blocks(self, copies_out, copies_in) -> None:
         if copies_out or copies_in:

@@ -146,14 +146,19 @@ class Peers:
         try:
             with self.busy_section():
                 _join(rdv)
-        except Exception:
+        except BaseException:
             self._stop_procs()
             raise
         self.control_group = dist.group.WORLD
         self._header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        self.control(WorkerInit(model_path, config, frozenset(eos_token_ids)))
-        with self.busy_section():
-            self.main_group = _main_group(config, rdv.local_rank)
+        try:
+            self.control(WorkerInit(model_path, config, frozenset(eos_token_ids)))
+            with self.busy_section():
+                self.main_group = _main_group(config, rdv.local_rank)
+        except BaseException as e:
+            self.dead = self.dead or f"start-up failed ({type(e).__name__}: {e})"
+            self.shutdown()
+            raise
         self.tp = TensorParallel(0, size, self.main_group)
 
     def _spawn(self, rdv: Rendezvous) -> None:

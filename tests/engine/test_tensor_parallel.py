@@ -170,6 +170,17 @@ def test_one_tensor_parallel_engine_per_process(tiny_llama):
     again.shutdown()
 
 
+def test_a_failed_start_up_leaves_no_rank_and_no_group(tiny_llama):
+    """The KV cache is sized after every rank has started: a size that cannot hold one
+    sequence is a ConfigError, the other rank goes, and the next engine starts at once."""
+    with pytest.raises(ConfigError, match="max_model_len=256 needs at least"):
+        LLM(str(tiny_llama), device="cpu", num_kv_blocks=2, max_model_len=256,
+            tensor_parallel_size=2)
+    llm = LLM(str(tiny_llama), device="cpu", num_kv_blocks=64, tensor_parallel_size=2)
+    assert llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)[0].token_ids
+    llm.shutdown()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
