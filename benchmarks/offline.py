@@ -3,6 +3,7 @@
     python -m benchmarks.offline                    # random-weight Qwen3-0.6B, ours + HF peer
     python -m benchmarks.offline --model DIR --out r.json
     python -m benchmarks.offline --no-peer --enforce-eager
+    python -m benchmarks.offline --no-peer --kv-cache-dtype fp8
     python -m benchmarks.offline --quick            # CPU smoke test: 8 seqs, 2-layer model
 
 The workload (workloads.seed_workload) is nano-vllm's bench.py, draw for draw: random.seed(0);
@@ -116,7 +117,8 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
 
 def engine_options(args: argparse.Namespace) -> dict:
     opts: dict = dict(max_model_len=4096)  # bench.py's one option; the rest the engine's
-    for name in ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
+                 "kv_cache_dtype"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     if args.block_size is not None:
@@ -227,6 +229,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="(default: the engine's)")
     ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
+                    help="(default: the engine's, the model's dtype)")
     ap.add_argument("--out", help="write every figure to this JSON file")
     ap.add_argument(
         "--quick",
@@ -266,7 +270,9 @@ def main() -> None:
     rates = measure_device(torch.device(device), dtype)
     shape = ModelShape.from_hf(cfg)
     dtype_bytes = torch.empty(0, dtype=dtype).element_size()
-    cost = workload_cost(shape, prompt_lens, max_tokens, dtype_bytes)
+    # an fp8 cache (a scale per token-head: 4 bytes per head_dim values) reads fewer bytes
+    kv_bytes = (1 + 4 / shape.head_dim) if args.kv_cache_dtype == "fp8" else None
+    cost = workload_cost(shape, prompt_lens, max_tokens, dtype_bytes, kv_bytes)
     sol = sol_times(cost, rates.bandwidth, rates.matmul_rate)
     total_out = sum(max_tokens)
     sol_tput = {k: total_out / sol[k] for k in ("serial", "per_phase", "overlap")}

@@ -84,8 +84,11 @@ class WorkloadCost:
 
 
 def workload_cost(
-    shape: ModelShape, prompt_lens: Sequence[int], max_tokens: Sequence[int], dtype_bytes: int
+    shape: ModelShape, prompt_lens: Sequence[int], max_tokens: Sequence[int], dtype_bytes: int,
+    kv_bytes: float | None = None,
 ) -> WorkloadCost:
+    """`kv_bytes`: bytes per cached K or V element when not `dtype_bytes` (an fp8 cache: 1,
+    plus its scales' share)."""
     token_kv_reads = sum((m - 1) * p + (m - 1) * m // 2 for p, m in zip(prompt_lens, max_tokens))
     weight_bytes = shape.matmul_params * dtype_bytes
     steps = max(max_tokens)
@@ -94,7 +97,8 @@ def workload_cost(
         p * p / 2 for p in prompt_lens
     )
     return WorkloadCost(
-        kv_read_bytes=float(token_kv_reads * shape.kv_bytes_per_token(dtype_bytes)),
+        kv_read_bytes=float(token_kv_reads * shape.kv_bytes_per_token(dtype_bytes)
+                            * (kv_bytes or dtype_bytes) / dtype_bytes),
         weight_bytes_per_step=float(weight_bytes),
         min_steps=steps,
         weight_read_bytes=float(weight_bytes * steps),
