@@ -1,9 +1,10 @@
 """What rank 0 tells the other tensor-parallel ranks (worker/tensor_parallel.py).
 
-Each turn starts with a fixed int64 header on the control group (gloo, host memory): its
-first entry says what follows. A step (STEP) is all tensors: the header, then one int64
-tensor of the host-side lists (each row's query and context length, the step's KV copies),
-then the step's input buffers themselves, broadcast on the main group (NCCL on GPUs, gloo on
+Each turn starts with a fixed int64 tensor on the control group (gloo, host memory): its
+first entry says what follows. A step (STEP) is all tensors: the header and, in the same
+tensor when they fit (they do unless a step copies many KV blocks), the host-side lists
+(each row's query and context length, the step's KV copies), else in a second one; then
+the step's input buffers themselves, broadcast on the main group (NCCL on GPUs, gloo on
 CPUs) from where rank 0 prepared them; nothing per step is pickled. Start-up and shutdown
 (CONTROL) send one of the dataclasses below, pickled, rarely.
 """
@@ -15,9 +16,15 @@ from nanovllm.core.config import ResolvedConfig
 
 # header[0]
 STEP, CONTROL = 1, 2
-# a STEP header: [STEP, tokens, sampling rows, padded rows, real rows, max query length,
-# max context length, int64 entries sent, int32 entries sent, copies out, copies in]
+# a STEP header: [STEP, tokens, sampling rows, padded rows, lists inline (1 / 0), max query
+# length, max context length, int64 entries sent, int32 entries sent, copies out, copies in]
 HEADER_LEN = 11
+INLINE_COPY_INTS = 64  # room for 32 (source, destination) pairs after the rows' lengths
+
+
+def step_header_len(max_num_seqs: int) -> int:
+    """The header tensor's length once WorkerInit is through (before it: HEADER_LEN)."""
+    return HEADER_LEN + 2 * max_num_seqs + INLINE_COPY_INTS
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from nanovllm.worker.messages import (
     Shutdown,
     WorkerInit,
     WorkerMessage,
+    step_header_len,
 )
 
 log = logging.getLogger("nanovllm")
@@ -153,6 +154,7 @@ class Peers:
         self._header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         try:
             self.control(WorkerInit(model_path, config, frozenset(eos_token_ids)))
+            self._header = torch.zeros(step_header_len(config.max_num_seqs), dtype=torch.int64)
             with self.busy_section():
                 self.main_group = _main_group(config, rdv.local_rank)
         except BaseException as e:
@@ -212,12 +214,19 @@ class Peers:
 
     def _send_header(self, sizes: list[int], lists: list[int], copies_out, copies_in) -> None:
         self.check()
-        self._header[:] = torch.tensor([STEP, *sizes, len(copies_out), len(copies_in)])
         for pairs in (copies_out, copies_in):
             for a, b in pairs:
                 lists += (a, b)
-        dist.broadcast(self._header, 0, group=self.control_group)
-        dist.broadcast(torch.tensor(lists, dtype=torch.int64), 0, group=self.control_group)
+        h = self._header
+        end = HEADER_LEN + len(lists)
+        inline = end <= h.numel()
+        sizes[3] = int(inline)
+        h[:HEADER_LEN] = torch.tensor([STEP, *sizes, len(copies_out), len(copies_in)])
+        if inline and lists:
+            h[HEADER_LEN:end] = torch.tensor(lists)
+        dist.broadcast(h, 0, group=self.control_group)
+        if not inline:  # many KV copies: the lists follow on their own
+            dist.broadcast(torch.tensor(lists, dtype=torch.int64), 0, group=self.control_group)
 
     # ---- liveness ---------------------------------------------------------------------
 
@@ -401,6 +410,8 @@ def run_worker(rdv: Rendezvous | None = None) -> int:
                     runner = ModelRunner(config, source, ModelConfig.from_hf(source.hf_config),
                                          set(eos), tp=tp)
                     runner.main_group = main
+                    header = torch.zeros(step_header_len(config.max_num_seqs),
+                                         dtype=torch.int64)
                 case MeasureKVBlocks():
                     n = runner.measure_kv_blocks()
                     t = torch.tensor([n], dtype=torch.int64)
@@ -420,10 +431,15 @@ def run_worker(rdv: Rendezvous | None = None) -> int:
 
 
 def _step(runner, header: list[int]) -> None:
-    _, tokens, sampling, padded, _, max_q, max_ctx, n64, n32, n_out, n_in = header
-    lists = torch.empty(2 * padded + 2 * (n_out + n_in), dtype=torch.int64)
-    dist.broadcast(lists, 0)
-    values = lists.tolist()
+    _, tokens, sampling, padded, inline, max_q, max_ctx, n64, n32, n_out, n_in = \
+        header[:HEADER_LEN]
+    count = 2 * padded + 2 * (n_out + n_in)
+    if inline:
+        values = header[HEADER_LEN : HEADER_LEN + count]
+    else:
+        lists = torch.empty(count, dtype=torch.int64)
+        dist.broadcast(lists, 0)
+        values = lists.tolist()
     query_lens, context_lens = values[:padded], values[padded : 2 * padded]
     pairs = values[2 * padded :]
     copies = [(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2)]
