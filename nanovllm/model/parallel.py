@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from nanovllm.core.errors import ConfigError
 
@@ -56,8 +57,6 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            import torch.distributed as dist
-
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -65,8 +64,6 @@ class TensorParallel:
         """[rows, vocab] from each rank's [rows, vocab_rows] slice, on every rank."""
         if self.size == 1:
             return x
-        import torch.distributed as dist
-
         rows = x.shape[0]
         parts = torch.empty((self.size * rows, x.shape[1]), dtype=x.dtype, device=x.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

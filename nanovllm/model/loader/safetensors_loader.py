@@ -2,7 +2,6 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 
 from nanovllm.core.errors import ModelLoadError
@@ -25,16 +24,6 @@ def read_hf_config(path: Path) -> dict:
             ids |= set([g] if isinstance(g, int) else g)
             cfg["eos_token_id"] = sorted(ids)
     return cfg
-
-
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{path} holds no *.safetensors files")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 class SafetensorsWeight:
