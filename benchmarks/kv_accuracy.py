@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks.quant_accuracy import HELD_OUT, kl
+from benchmarks.quant_accuracy import HELD_OUT, agreement
 
 ENGINES = {  # name -> engine options beside the shared ones
     "float32": dict(dtype="float32"),
@@ -42,6 +42,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from nanovllm import LLM, SamplingParams
+    from nanovllm.worker.kv_cache import kv_bytes_per_token
     from tests.support import engine_logprobs as score
 
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -53,24 +54,16 @@ def main() -> None:
              for q in HELD_OUT[: args.prompts]]
     outs = {name: [o.token_ids for o in llm.generate(chats, sp, use_tqdm=False)]
             for name, llm in engines.items()}
+    base = outs[REFERENCE]
+    with torch.no_grad():  # the reference's distributions, once
+        references = [score(ref, c + b) for c, b in zip(chats, base)]
     figures: dict[str, dict] = {}
     for name, llm in engines.items():
-        kls, same, prefix = [], 0, 0
-        for chat, base, mine in zip(chats, outs[REFERENCE], outs[name]):
-            ids = chat + base
-            steps = slice(len(chat) - 1, len(ids) - 1)  # the continuation's positions
-            with torch.no_grad():
-                kls.append(kl(score(ref, ids)[steps], score(llm, ids)[steps]))
-            same += mine == base
-            prefix += next((i for i, (a, b) in enumerate(zip(mine, base)) if a != b), len(base))
-        k = torch.cat(kls)
-        figures[name] = {
-            "mean_kl": float(k.mean()), "p99_kl": float(k.quantile(0.99)),
-            "max_kl": float(k.max()), "same_continuation": f"{same}/{len(chats)}",
-            "mean_common_prefix": prefix / len(chats),
-            "kv_bytes_per_token": llm.engine.runner.kv_cache.tensor[:, :, 0, 0].numel()
-            * llm.engine.runner.kv_cache.tensor.element_size(),
-        }
+        runner = llm.engine.runner
+        figures[name] = agreement(chats, base, outs[name], references,
+                                  lambda ids, llm=llm: score(llm, ids))
+        figures[name]["kv_bytes_per_token"] = kv_bytes_per_token(runner.model_config,
+                                                                 runner.kv_format)
     print(f"{len(chats)} held-out chat prompts, {args.max_tokens} greedy tokens each; "
           f"KL({REFERENCE} || engine) per token, nats; default model, bfloat16 on the CPU")
     print(f"{'KV cache':11s} {'mean KL':>10s} {'p99 KL':>10s} {'max KL':>10s} "

@@ -33,6 +33,26 @@ def kl(ref: torch.Tensor, ours: torch.Tensor) -> torch.Tensor:
     return (ref.exp() * (ref - ours)).sum(-1)
 
 
+def agreement(chats, base, mine, references, ours) -> dict:
+    """An engine's figures against a reference: KL(reference || engine) over the positions
+    of each chat's base continuation (`references[i]` and `ours(ids)`: log next-token
+    distributions of chat i + base[i], teacher-forced), and how far the engine's own greedy
+    continuations `mine` agree with `base`."""
+    kls, same, prefix = [], 0, 0
+    for chat, ref, want, got in zip(chats, references, base, mine):
+        steps = slice(len(chat) - 1, len(chat) + len(want) - 1)  # the continuation's
+        with torch.no_grad():
+            kls.append(kl(ref[steps], ours(chat + want)[steps]))
+        same += got == want
+        prefix += next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+    k = torch.cat(kls)
+    return {
+        "mean_kl": float(k.mean()), "p99_kl": float(k.quantile(0.99)),
+        "max_kl": float(k.max()), "same_continuation": f"{same}/{len(chats)}",
+        "mean_common_prefix": prefix / len(chats),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -54,23 +74,12 @@ def main() -> None:
              for q in HELD_OUT[: args.prompts]]
     outs = {fmt: [o.token_ids for o in llm.generate(chats, sp, use_tqdm=False)]
             for fmt, llm in engines.items()}
-    figures: dict[str, dict] = {}
-    for fmt, llm in engines.items():
-        kls, same, prefix = [], 0, 0
-        for chat, dense, mine in zip(chats, outs["dense"], outs[fmt]):
-            ids = chat + dense
-            with torch.no_grad():
-                ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
-            steps = slice(len(chat) - 1, len(ids) - 1)  # the continuation's positions
-            kls.append(kl(ref[steps], score(llm, ids)[steps]))
-            same += mine == dense
-            prefix += next((i for i, (a, b) in enumerate(zip(mine, dense)) if a != b), len(dense))
-        k = torch.cat(kls)
-        figures[fmt] = {
-            "mean_kl": float(k.mean()), "p99_kl": float(k.quantile(0.99)),
-            "max_kl": float(k.max()), "same_continuation": f"{same}/{len(chats)}",
-            "mean_common_prefix": prefix / len(chats),
-        }
+    with torch.no_grad():
+        references = [torch.log_softmax(hf(torch.tensor([c + d])).logits[0].double(), -1)
+                      for c, d in zip(chats, outs["dense"])]
+    figures = {fmt: agreement(chats, outs["dense"], outs[fmt], references,
+                              lambda ids, llm=llm: score(llm, ids))
+               for fmt, llm in engines.items()}
     print(f"{len(chats)} held-out chat prompts, {args.max_tokens} greedy tokens each; "
           "KL(transformers float32 || engine) per token, nats")
     print(f"{'weights':8s} {'mean KL':>10s} {'p99 KL':>10s} {'max KL':>10s} "
