@@ -192,18 +192,27 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+GENERATE = ["generate", "--raw", "--temperature", "0", "--max-tokens", "12", "--ignore-eos",
+            "--num-kv-blocks", "64", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def one_process_text(tiny_llama) -> tuple[list[str], str]:
+    """GENERATE on the tiny Llama, and what one process prints for it."""
+    command = GENERATE[:1] + ["--model", str(tiny_llama)] + GENERATE[1:]
+    alone = _cli(*command)
+    expected, err = alone.communicate(timeout=120)
+    assert alone.returncode == 0, err
+    return command, expected
+
+
 @pytest.mark.parametrize("rank1", ["worker", "same command"])
-def test_env_rendezvous_joins_ranks_started_apart(tiny_llama, rank1):
+def test_env_rendezvous_joins_ranks_started_apart(one_process_text, rank1):
     """Two "hosts": each rank is started on its own with the launcher's variables (as
     torchrun or Slurm would, LOCAL_RANK 0 on both); rank 0 runs `nanovllm generate`, rank 1
     `nanovllm worker` or the same command (as torchrun starts it on every rank), which
     serves as a worker. The text equals one device's; rank 1 leaves when rank 0 ends."""
-    command = ["generate", "--model", str(tiny_llama), "--raw", "--temperature", "0",
-               "--max-tokens", "12", "--ignore-eos", "--num-kv-blocks", "64",
-               "The quick brown fox"]
-    alone = _cli(*command)
-    expected, err = alone.communicate(timeout=120)
-    assert alone.returncode == 0, err
+    command, expected = one_process_text
     port = _free_port()
     base = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                 LOCAL_RANK="0")
@@ -222,13 +231,8 @@ def test_env_rendezvous_joins_ranks_started_apart(tiny_llama, rank1):
                 proc.kill()
 
 
-def test_torchrun_starts_every_rank_with_the_same_command(tiny_llama):
-    command = ["generate", "--model", str(tiny_llama), "--raw", "--temperature", "0",
-               "--max-tokens", "12", "--ignore-eos", "--num-kv-blocks", "64",
-               "The quick brown fox"]
-    alone = _cli(*command)
-    expected, err = alone.communicate(timeout=120)
-    assert alone.returncode == 0, err
+def test_torchrun_starts_every_rank_with_the_same_command(one_process_text):
+    command, expected = one_process_text
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(_free_port()), "-m", "nanovllm", *command,
