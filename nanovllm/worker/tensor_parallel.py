@@ -2,16 +2,18 @@
 
 Rank 0 schedules; every rank holds its shard of the model and of the KV cache
 (model/parallel.py) and runs the same forward pass on the same inputs. Rank 0 drives the
-others (`Peers`), each of which loops in `run_worker`: a step's inputs are broadcast as
-tensors from rank 0's input buffers (worker/messages.py), the forward pass's collectives
-keep the ranks in step, and only rank 0 samples (its LM head gathers every vocab slice).
+others (`Peers`, here), each of which loops in `run_worker` (tp_worker.py): a step's
+inputs are broadcast as tensors from rank 0's input buffers (worker/messages.py), the
+forward pass's collectives keep the ranks in step, and only rank 0 samples (its LM head
+gathers every vocab slice).
 
 The ranks join through torch.distributed: a gloo group for the control messages (host
 memory) and, on GPUs, an NCCL group for the step's tensors and the model's collectives. By
 default rank 0 starts the other ranks on this machine (`tensor_parallel_size`); with the
 standard env:// variables set (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, as
 torchrun and Slurm set them) every rank is started by the launcher, on as many hosts as it
-likes, and ranks other than 0 run `nanovllm worker`.
+likes, and ranks other than 0 run `nanovllm worker`. Meeting, joining and leaving the group
+is tp_group.py's.
 
 A rank that dies ends the engine: gloo fails the collective at once; a collective on NCCL
 may wait forever for a dead peer, so when a rank this process started dies while rank 0 is
@@ -22,102 +24,40 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from nanovllm.core.config import ResolvedConfig
-from nanovllm.core.errors import ConfigError, NanoVLLMError
+from nanovllm.core.errors import ConfigError
 from nanovllm.model.parallel import TensorParallel
 from nanovllm.worker.inputs import StepInputs
 from nanovllm.worker.messages import (
     CONTROL,
     HEADER_LEN,
     STEP,
-    MeasureKVBlocks,
-    Setup,
     Shutdown,
     WorkerInit,
     WorkerMessage,
     step_header_len,
 )
+from nanovllm.worker.tp_group import (  # noqa: F401 (RankFailedError: raised to callers)
+    RankFailedError,
+    Rendezvous,
+    free_port,
+    is_collective_error,
+    join,
+    leave_group,
+    main_group,
+)
 
 log = logging.getLogger("nanovllm")
 
 DEAD_RANK_GRACE_S = 10.0
-# the control group waits for the next step as long as a server stays idle; a dead peer
-# fails its collectives at once (the connection closes), so this is no liveness timeout
-IDLE_TIMEOUT = timedelta(days=365)
-
-
-class RankFailedError(NanoVLLMError):
-    """A tensor-parallel rank died or left; the engine cannot continue."""
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where the ranks meet, and who this one is."""
-
-    rank: int
-    world_size: int
-    local_rank: int  # the GPU this rank uses on its host
-    addr: str
-    port: int
-    launched: bool = False  # by torchrun / Slurm / by hand: the env:// variables
-
-    @classmethod
-    def from_env(cls) -> Rendezvous | None:
-        """The launcher's env:// variables, or None when WORLD_SIZE is not set."""
-        if "WORLD_SIZE" not in os.environ:
-            return None
-        env = os.environ
-        try:
-            return cls(int(env["RANK"]), int(env["WORLD_SIZE"]),
-                       int(env.get("LOCAL_RANK", 0)), env["MASTER_ADDR"],
-                       int(env["MASTER_PORT"]), launched=True)
-        except (KeyError, ValueError) as e:
-            raise ConfigError(
-                f"WORLD_SIZE is set, so the ranks meet through env://: set RANK, WORLD_SIZE, "
-                f"MASTER_ADDR and MASTER_PORT (and LOCAL_RANK) to numbers and an address "
-                f"({e!r} is missing or wrong)"
-            ) from None
-
-    @property
-    def init_method(self) -> str:
-        # env:// lets torch reuse torchrun's own store on MASTER_PORT (rank 0 would fail to
-        # bind it again)
-        return "env://" if self.launched else f"tcp://{self.addr}:{self.port}"
-
-
-def _join(rdv: Rendezvous) -> None:
-    if dist.is_initialized():
-        raise ConfigError(
-            "this process already belongs to a torch.distributed group (another "
-            "tensor-parallel engine?); shut that engine down first (LLM.shutdown())"
-        )
-    dist.init_process_group("gloo", init_method=rdv.init_method, rank=rdv.rank,
-                            world_size=rdv.world_size, timeout=IDLE_TIMEOUT)
-
-
-def _main_group(config: ResolvedConfig, local_rank: int):
-    """The group the step's tensors and the model's collectives run on."""
-    if config.device != "cuda":
-        return dist.group.WORLD
-    torch.cuda.set_device(local_rank)
-    return dist.new_group(backend="nccl")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Peers:
@@ -132,7 +72,7 @@ class Peers:
         self._closing = False
         rdv = Rendezvous.from_env()
         if rdv is None:
-            rdv = Rendezvous(0, size, 0, "127.0.0.1", _free_port())
+            rdv = Rendezvous(0, size, 0, "127.0.0.1", free_port())
             self._spawn(rdv)
         elif rdv.world_size != size or rdv.rank != 0:
             raise ConfigError(
@@ -146,7 +86,7 @@ class Peers:
                              daemon=True).start()
         try:
             with self.busy_section():
-                _join(rdv)
+                join(rdv)
         except BaseException:
             self._stop_procs()
             raise
@@ -156,7 +96,7 @@ class Peers:
             self.control(WorkerInit(model_path, config, frozenset(eos_token_ids)))
             self._header = torch.zeros(step_header_len(config.max_num_seqs), dtype=torch.int64)
             with self.busy_section():
-                self.main_group = _main_group(config, rdv.local_rank)
+                self.main_group = main_group(config, rdv.local_rank)
         except BaseException as e:
             self.dead = self.dead or f"start-up failed ({type(e).__name__}: {e})"
             self.shutdown()
@@ -245,7 +185,7 @@ class Peers:
         if isinstance(error, RankFailedError):
             return error
         if self.dead is not None or any(p.poll() is not None for p in self.procs) \
-                or _is_collective_error(error):
+                or is_collective_error(error):
             return self.failure(error)
         self.dead = (f"rank 0 stopped in the middle of a step ({type(error).__name__}: "
                      f"{error}), so the ranks are out of step")
@@ -303,7 +243,7 @@ class Peers:
                 dist.broadcast_object_list([Shutdown()], 0, group=self.control_group)
             except RuntimeError:
                 pass  # a rank is gone already
-        _leave_group()  # while the other ranks leave theirs: NCCL's teardown meets them
+        leave_group()  # while the other ranks leave theirs: NCCL's teardown meets them
         self._stop_procs()
 
     def _stop_procs(self) -> None:
@@ -321,27 +261,6 @@ class Peers:
         self.procs = []
 
 
-def _is_collective_error(error: BaseException) -> bool:
-    """An error a collective raised: torch's distributed errors, or gloo's RuntimeErrors
-    (a peer's connection closed)."""
-    dist_error = getattr(dist, "DistError", ())
-    return isinstance(error, dist_error) or (
-        isinstance(error, RuntimeError) and "gloo" in str(error).lower())
-
-
-def _leave_group(timeout: float = 15.0) -> None:
-    """destroy_process_group, given `timeout` seconds: NCCL's teardown waits for the other
-    ranks', and a rank that is gone must not hold this one at exit."""
-    if not dist.is_initialized():
-        return
-    done = threading.Thread(target=dist.destroy_process_group, daemon=True)
-    done.start()
-    done.join(timeout)
-    if done.is_alive():
-        log.warning("leaving the tensor-parallel group took over %.0f s; left it behind",
-                    timeout)
-
-
 class _Busy:
     def __init__(self, peers: Peers) -> None:
         self.peers = peers
@@ -351,103 +270,3 @@ class _Busy:
 
     def __exit__(self, *exc) -> None:
         self.peers.busy -= 1
-
-
-# ---- ranks other than 0 ---------------------------------------------------------------
-
-
-def _watch_parent() -> None:
-    """A rank that rank 0 started (NANOVLLM_PARENT_FD): exit once rank 0 is gone."""
-    fd = os.environ.get("NANOVLLM_PARENT_FD")
-    if fd is None:
-        return
-
-    def wait() -> None:
-        try:
-            while os.read(int(fd), 1):
-                pass
-        except OSError:
-            pass
-        os._exit(0)
-
-    threading.Thread(target=wait, name="nanovllm-parent-watch", daemon=True).start()
-
-
-def run_worker(rdv: Rendezvous | None = None) -> int:
-    """Serve as one rank (not 0) until rank 0 says Shutdown; returns the exit status.
-
-    Without `rdv`, reads the env:// variables (`nanovllm worker` under torchrun or Slurm).
-    """
-    from nanovllm.model.config import ModelConfig
-    from nanovllm.model.loader.source import open_model
-    from nanovllm.worker.model_runner import ModelRunner
-
-    rdv = rdv or Rendezvous.from_env()
-    _watch_parent()
-    if rdv is None or rdv.rank == 0:
-        raise ConfigError(
-            "`nanovllm worker` serves one rank other than 0: set RANK (>= 1), WORLD_SIZE, "
-            "MASTER_ADDR and MASTER_PORT as for torchrun; rank 0 runs the engine"
-        )
-    _join(rdv)
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    runner = None
-    try:
-        while True:
-            dist.broadcast(header, 0)
-            kind = int(header[0])
-            if kind == STEP:
-                _step(runner, header.tolist())
-                continue
-            assert kind == CONTROL, f"unknown header {kind}"
-            box: list = [None]
-            dist.broadcast_object_list(box, 0)
-            match box[0]:
-                case WorkerInit(model=path, config=config, eos_token_ids=eos):
-                    main = _main_group(config, rdv.local_rank)
-                    tp = TensorParallel(rdv.rank, rdv.world_size, main)
-                    source = open_model(path)
-                    runner = ModelRunner(config, source, ModelConfig.from_hf(source.hf_config),
-                                         set(eos), tp=tp)
-                    runner.main_group = main
-                    header = torch.zeros(step_header_len(config.max_num_seqs),
-                                         dtype=torch.int64)
-                case MeasureKVBlocks():
-                    n = runner.measure_kv_blocks()
-                    t = torch.tensor([n], dtype=torch.int64)
-                    dist.all_reduce(t, dist.ReduceOp.MIN)
-                case Setup(config=config):
-                    runner.setup(config)
-                case Shutdown():
-                    break
-    except RuntimeError as e:  # rank 0 (or another rank) is gone
-        log.error("rank %d: the group broke (%s); leaving", rdv.rank, e)
-        return 1
-    finally:
-        if runner is not None:
-            runner.release_graphs()
-        _leave_group()
-    return 0
-
-
-def _step(runner, header: list[int]) -> None:
-    _, tokens, sampling, padded, inline, max_q, max_ctx, n64, n32, n_out, n_in = \
-        header[:HEADER_LEN]
-    count = 2 * padded + 2 * (n_out + n_in)
-    if inline:
-        values = header[HEADER_LEN : HEADER_LEN + count]
-    else:
-        lists = torch.empty(count, dtype=torch.int64)
-        dist.broadcast(lists, 0)
-        values = lists.tolist()
-    query_lens, context_lens = values[:padded], values[padded : 2 * padded]
-    pairs = values[2 * padded :]
-    copies = [(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2)]
-    if tokens == 0:  # KV copies alone
-        runner.run_step(None, copies[:n_out], copies[n_out:])
-        return
-    buffers = runner.buffers
-    dist.broadcast(buffers.dev64[:n64], 0, group=runner.main_group)
-    dist.broadcast(buffers.dev32[:n32], 0, group=runner.main_group)
-    runner.run_step(buffers.received(tokens, sampling, padded, max_q, max_ctx, query_lens,
-                                     context_lens), copies[:n_out], copies[n_out:])

@@ -101,7 +101,7 @@ def _launched_rank() -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from nanovllm.worker.tensor_parallel import run_worker
+    from nanovllm.worker.tp_worker import run_worker
 
     level = os.environ.get("NANOVLLM_LOG_LEVEL")  # set by a rank 0 that started this one
     if level is not None:
