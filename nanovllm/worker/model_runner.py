@@ -77,7 +77,6 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.tp, self.peers = tp, peers
-        self.main_group = None  # the group step inputs arrive on (ranks other than 0)
         # the KV cache and the cost model see this rank's heads
         _, heads = tp.split(model_config.num_attention_heads, "attention heads")
         _, kv_heads = tp.kv_heads(model_config.num_key_value_heads)

@@ -96,12 +96,12 @@ class Peers:
             self.control(WorkerInit(model_path, config, frozenset(eos_token_ids)))
             self._header = torch.zeros(step_header_len(config.max_num_seqs), dtype=torch.int64)
             with self.busy_section():
-                self.main_group = main_group(config, rdv.local_rank)
+                group = main_group(config, rdv.local_rank)
         except BaseException as e:
             self.dead = self.dead or f"start-up failed ({type(e).__name__}: {e})"
             self.shutdown()
             raise
-        self.tp = TensorParallel(0, size, self.main_group)
+        self.tp = TensorParallel(0, size, group)  # the step's tensors and the model's
 
     def _spawn(self, rdv: Rendezvous) -> None:
         """Start ranks 1.. on this machine as `python -m nanovllm worker` with the env://
@@ -145,8 +145,8 @@ class Peers:
             [inputs.input_ids.shape[0], inputs.num_sampling_rows, inputs.padded_rows, 0,
              meta.max_query_len, meta.max_context_len, n64, n32],
             meta.query_lens_host + meta.context_lens_host, copies_out, copies_in)
-        dist.broadcast(buffers.dev64[:n64], 0, group=self.main_group)
-        dist.broadcast(buffers.dev32[:n32], 0, group=self.main_group)
+        dist.broadcast(buffers.dev64[:n64], 0, group=self.tp.group)
+        dist.broadcast(buffers.dev32[:n32], 0, group=self.tp.group)
 
     def send_copies(self, copies_out, copies_in) -> None:
         """A step of KV copies alone (every row of the batch had finished)."""

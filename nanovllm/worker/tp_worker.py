@@ -76,12 +76,11 @@ def run_worker(rdv: Rendezvous | None = None) -> int:
             dist.broadcast_object_list(box, 0)
             match box[0]:
                 case WorkerInit(model=path, config=config, eos_token_ids=eos):
-                    main = main_group(config, rdv.local_rank)
-                    tp = TensorParallel(rdv.rank, rdv.world_size, main)
+                    tp = TensorParallel(rdv.rank, rdv.world_size,
+                                        main_group(config, rdv.local_rank))
                     source = open_model(path)
                     runner = ModelRunner(config, source, ModelConfig.from_hf(source.hf_config),
                                          set(eos), tp=tp)
-                    runner.main_group = main
                     header = torch.zeros(step_header_len(config.max_num_seqs),
                                          dtype=torch.int64)
                 case MeasureKVBlocks():
@@ -119,7 +118,7 @@ def _step(runner, header: list[int]) -> None:
         runner.run_step(None, copies[:n_out], copies[n_out:])
         return
     buffers = runner.buffers
-    dist.broadcast(buffers.dev64[:n64], 0, group=runner.main_group)
-    dist.broadcast(buffers.dev32[:n32], 0, group=runner.main_group)
+    dist.broadcast(buffers.dev64[:n64], 0, group=runner.tp.group)
+    dist.broadcast(buffers.dev32[:n32], 0, group=runner.tp.group)
     runner.run_step(buffers.received(tokens, sampling, padded, max_q, max_ctx, query_lens,
                                      context_lens), copies[:n_out], copies[n_out:])
