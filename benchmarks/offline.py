@@ -36,6 +36,7 @@ from benchmarks.offline_report import print_table
 from benchmarks.random_model import build_random_model
 from benchmarks.speed_of_light import ModelShape, measure_device, sol_times, workload_cost
 from benchmarks.workloads import QWEN3_CONFIG, SEED_OUTPUT_TOKENS, seed_workload
+from nanovllm.kernels.torch_attention import fp8_width
 
 WARMUP_PROMPT = "Benchmark: "
 # --quick: Qwen3's layout and vocabulary, shrunk until a 2-core CPU runs it in seconds
@@ -270,8 +271,9 @@ def main() -> None:
     rates = measure_device(torch.device(device), dtype)
     shape = ModelShape.from_hf(cfg)
     dtype_bytes = torch.empty(0, dtype=dtype).element_size()
-    # an fp8 cache (a scale per token-head: 4 bytes per head_dim values) reads fewer bytes
-    kv_bytes = (1 + 4 / shape.head_dim) if args.kv_cache_dtype == "fp8" else None
+    # an fp8 cache (a scale per token-head, padded to 16 bytes) reads fewer bytes
+    kv_bytes = (fp8_width(shape.head_dim, True) / shape.head_dim
+                if args.kv_cache_dtype == "fp8" else None)
     cost = workload_cost(shape, prompt_lens, max_tokens, dtype_bytes, kv_bytes)
     sol = sol_times(cost, rates.bandwidth, rates.matmul_rate)
     total_out = sum(max_tokens)

@@ -1,8 +1,8 @@
 """Paged attention in plain torch: the CPU backend and the reference for the GPU kernels.
 
 A cache of bytes (uint8) holds float8 e4m3 values (kv_cache_dtype="fp8", worker/kv_cache.py
-KVFormat): its last dimension is head_dim (one static scale of 1) or head_dim + 4 (the
-token-head's float32 scale after its values). K/V are quantized as they are stored and
+KVFormat): its last dimension is head_dim (one static scale of 1) or `fp8_width` (the
+token-head's float32 scale after its values, padded to 16 bytes). K/V are quantized as they are stored and
 dequantized as a row's context is read, to the query's dtype.
 """
 
@@ -15,22 +15,31 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 
 
+def fp8_width(head_dim: int, scaled: bool) -> int:
+    """Bytes per token-head of an fp8 cache: the values, and when scaled their float32 scale,
+    padded to a multiple of 16 bytes. Unpadded (head_dim + 4), the rows' stride is not a
+    multiple of 16, and Triton loads the tiles a byte at a time instead of in 16-byte vectors
+    (seen in the decode kernel's PTX for sm_90: 128 ld.global.b8 and no cp.async)."""
+    return -(-(head_dim + 4) // 16) * 16 if scaled else head_dim
+
+
 def quantize_fp8(x: torch.Tensor, width: int) -> torch.Tensor:
-    """[T, H, D] -> the cache's bytes [T, H, width]: float8 values, then (width D + 4) each
-    token-head's float32 scale amax / 448, so its largest value maps to 448."""
+    """[T, H, D] -> the cache's bytes [T, H, width]: float8 values, then (width > D) each
+    token-head's float32 scale amax / 448, so its largest value maps to 448, and zero padding."""
     dim = x.shape[-1]
     if width == dim:
         return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
     scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     values = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
-    return torch.cat([values, scale.view(torch.uint8)], -1)
+    pad = values.new_zeros(*values.shape[:-1], width - dim - 4)
+    return torch.cat([values, scale.view(torch.uint8), pad], -1)
 
 
 def dequantize_fp8(raw: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """The cache's bytes [..., width] -> values [..., dim] in `dtype`."""
     x = raw[..., :dim].view(FP8).float()
     if raw.shape[-1] > dim:
-        x = x * raw[..., dim:].contiguous().view(torch.float32)
+        x = x * raw[..., dim:dim + 4].contiguous().view(torch.float32)
     return x.to(dtype)
 
 

@@ -272,24 +272,27 @@ def _load_kv_tile(
             other = None
         else:
             mask = dim_ok
-    if not FP8:
-        return tl.load(ptrs, mask=mask, other=other)
-    if MASKED or HEAD_DIM != BLOCK_D:
-        raw = tl.load(ptrs, mask=mask, other=0)
+    # one return at the end: compiled Triton does not take an early return in a constexpr if
+    if FP8:
+        if MASKED or HEAD_DIM != BLOCK_D:
+            raw = tl.load(ptrs, mask=mask, other=0)
+        else:
+            raw = tl.load(ptrs)
+        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if SCALED:
+            scale_ptr = (cache_ptr + base + HEAD_DIM * stride_d).to(tl.pointer_type(tl.float32))
+            if MASKED:
+                scale = tl.load(scale_ptr, mask=valid, other=0.0)
+            else:
+                scale = tl.load(scale_ptr)
+            if TRANSPOSED:
+                x = x * scale[None, :]
+            else:
+                x = x * scale[:, None]
+        tile = x.to(COMPUTE)
     else:
-        raw = tl.load(ptrs)
-    x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    if SCALED:
-        scale_ptr = (cache_ptr + base + HEAD_DIM * stride_d).to(tl.pointer_type(tl.float32))
-        if MASKED:
-            scale = tl.load(scale_ptr, mask=valid, other=0.0)
-        else:
-            scale = tl.load(scale_ptr)
-        if TRANSPOSED:
-            x = x * scale[None, :]
-        else:
-            x = x * scale[:, None]
-    return x.to(COMPUTE)
+        tile = tl.load(ptrs, mask=mask, other=other)
+    return tile
 
 
 @triton.jit

@@ -21,14 +21,12 @@ from torch import nn
 from nanovllm.core.config import ResolvedConfig
 from nanovllm.core.errors import ConfigError
 from nanovllm.core.host_tier import PreemptionCost
+from nanovllm.kernels.torch_attention import fp8_width
 from nanovllm.model.config import ModelConfig
 
 log = logging.getLogger("nanovllm")
 
 CPU_KV_CACHE_GIB = 2.0  # the CPU's default budget (kv_cache_gib overrides it)
-
-
-FP8_SCALE_BYTES = 4  # kv_cache_scales="token": a float32 scale after each token-head's values
 
 
 @dataclass(frozen=True)
@@ -37,8 +35,8 @@ class KVFormat:
 
     The model's dtype with width head_dim, or for kv_cache_dtype="fp8" bytes (uint8) holding
     float8 e4m3 values: width head_dim with one static scale of 1 (kv_cache_scales="tensor"),
-    or head_dim + 4 where the last 4 bytes are the float32 scale of that token and head
-    ("token", chosen per token as its amax / 448). The kernels tell the formats apart by the
+    or `fp8_width` bytes where the 4 after the values are the float32 scale of that token and
+    head ("token", chosen per token as its amax / 448), padded to 16 bytes. The kernels tell the formats apart by the
     cache's dtype and width (kernels/torch_attention.py)."""
 
     dtype: torch.dtype
@@ -49,7 +47,7 @@ class KVFormat:
            head_dim: int) -> "KVFormat":
         if kv_cache_dtype != "fp8":
             return cls(model_dtype, head_dim)
-        return cls(torch.uint8, head_dim + (FP8_SCALE_BYTES if scales == "token" else 0))
+        return cls(torch.uint8, fp8_width(head_dim, scales == "token"))
 
     @property
     def bytes_per_head(self) -> int:

@@ -33,7 +33,7 @@ def to_fp8(cache: torch.Tensor, width: int) -> torch.Tensor:
     raw = ta.quantize_fp8(torch.nan_to_num(flat.float(), nan=0.0), width)
     raw[..., :dim][nan] = NAN_BYTE
     if width > dim:
-        raw[..., dim:][nan] = torch.tensor([float("nan")]).view(torch.uint8).to(raw.device)
+        raw[..., dim:dim + 4][nan] = torch.tensor([float("nan")]).view(torch.uint8).to(raw.device)
     return raw.view(blocks, bs, heads, width)
 
 
@@ -42,7 +42,7 @@ def to_fp8(cache: torch.Tensor, width: int) -> torch.Tensor:
 def test_attention_over_fp8_matches_the_reference(triton_device, case, scaled):
     _, rows, hq, hkv, d, bs, cfg, splits = case
     c = Case(rows, hq, hkv, d, bs, triton_device, seed=7)
-    width = d + 4 if scaled else d
+    width = ta.fp8_width(d, scaled)
     k8, v8 = to_fp8(c.k_cache, width), to_fp8(c.v_cache, width)
     out = tb.paged_attention(c.q, k8, v8, c.meta, c.scale, prefill_config=cfg,
                              num_splits=splits)
@@ -55,7 +55,7 @@ def test_attention_over_fp8_matches_the_reference(triton_device, case, scaled):
 def test_store_kv_writes_the_reference_bytes(triton_device, scaled):
     torch.manual_seed(3)
     tokens, heads, dim, bs, blocks = 40, 2, 64, 16, 8
-    width = dim + 4 if scaled else dim
+    width = ta.fp8_width(dim, scaled)
     k = (torch.randn(tokens, heads, dim) * torch.logspace(-2, 2, tokens)[:, None, None])
     v = torch.randn(tokens, heads, dim)
     slots = torch.randperm(blocks * bs)[:tokens]

@@ -1,0 +1,131 @@
+"""Compile the Triton kernels for an H100/H200 (sm_90) on a machine without a GPU, and report
+what their PTX loads. Run as `python -m tests.model.sm90_ptx` (test_triton_ptx.py does),
+never under TRITON_INTERPRET: the interpreter runs the kernels as Python and would not catch
+what only the compiler rejects (an early `return` in a constexpr `if` compiles in the
+interpreter and fails in Triton's code generator) nor how the loads are vectorized.
+
+Each kernel is launched by its real launcher (store_kv, paged_attention) on CPU tensors with
+the jitted kernel swapped for a recorder; each recorded launch is then compiled with the
+signature Triton would give it on a GPU: pointers 16-byte aligned, integers equal to 1
+folded and those divisible by 16 marked so (unless the kernel says do_not_specialize).
+Prints one JSON object per compiled launch: kernel, case, the PTX's global loads by width.
+"""
+
+import json
+import os
+import re
+import sys
+from collections import Counter
+
+import torch
+
+CASES = {
+    # name: (kv dtype, kv_cache_scales) - the cache's format comes from worker/kv_cache.py
+    "bf16": ("auto", "token"),
+    "fp8-token": ("fp8", "token"),
+    "fp8-tensor": ("fp8", "tensor"),
+}
+# Qwen3-0.6B's attention: 16 query heads, 8 KV heads, head_dim 128, blocks of 256
+HQ, HKV, D, BS = 16, 8, 128, 256
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+         torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}
+
+
+class Recorder:
+    """Stands in for a jitted kernel: `kernel[grid](*args, **kwargs)` records the call."""
+
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.fn, args, kwargs))
+
+
+def _signature(fn, args, kwargs):
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    values = dict(zip(fn.arg_names, args)) | kwargs
+    keep_generic = {n if isinstance(n, str) else fn.arg_names[n]
+                    for n in fn.do_not_specialize or ()}
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name not in values:  # a constexpr left at its default
+            continue
+        v = values[name]
+        if fn.params[i].is_constexpr:
+            sig[name], consts[(i,)] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + TYPES[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            if v == 1 and name not in keep_generic:
+                sig[name], consts[(i,)] = "constexpr", 1
+            else:
+                sig[name] = "i32" if -2**31 <= v < 2**31 else "i64"
+                if v % 16 == 0 and name not in keep_generic:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} of type {type(v).__name__}")
+    return sig, consts, attrs, options
+
+
+def record(tb, ta, kv_cache_dtype: str, scales: str) -> list:
+    from nanovllm.kernels.attention_metadata import AttentionMetadata
+    from nanovllm.worker.kv_cache import KVFormat
+
+    fmt = KVFormat.of(kv_cache_dtype, scales, torch.bfloat16, D)
+    calls = []
+    for name in ("_store_kv_kernel", "_decode_kernel", "_reduce_kernel", "_prefill_kernel"):
+        setattr(tb, name, Recorder(getattr(tb, name), calls))
+    # a mixed step: two decode rows with long contexts (KV splits) and a prefill chunk
+    rows = [(1, 3000), (1, 700), (300, 800)]
+    tokens = sum(q for q, _ in rows)
+    blocks = sum(-(-c // BS) for _, c in rows) + 2
+    cache = [torch.zeros(blocks, BS, HKV, fmt.width, dtype=fmt.dtype) for _ in range(2)]
+    q = torch.zeros(tokens, HQ, D, dtype=torch.bfloat16)
+    kv = torch.zeros(tokens, HKV, D, dtype=torch.bfloat16)
+    starts = [0]
+    for n, _ in rows:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(tokens, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        context_lens=torch.tensor([c for _, c in rows], dtype=torch.int32),
+        block_tables=torch.zeros(len(rows), 16, dtype=torch.int32),
+        max_query_len=max(n for n, _ in rows), max_context_len=max(c for _, c in rows),
+        query_lens_host=[n for n, _ in rows], context_lens_host=[c for _, c in rows])
+    tb.store_kv(kv, kv, *cache, meta.slot_mapping)
+    tb.paged_attention(q, *cache, meta, D**-0.5)
+    return calls
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run without TRITON_INTERPRET=1: the point is the compiler")
+    import importlib
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    ta = importlib.import_module("nanovllm.kernels.torch_attention")
+    for case, (kv_dtype, scales) in CASES.items():
+        tb = importlib.reload(importlib.import_module("nanovllm.kernels.triton_attention"))
+        for fn, args, kwargs in record(tb, ta, kv_dtype, scales):
+            sig, consts, attrs, options = _signature(fn, args, dict(kwargs))
+            out = {"kernel": fn.__name__, "case": case}
+            try:
+                src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+                ptx = compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+            except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
+                out["error"] = f"{type(e).__name__}: {e}"[:2000]
+            else:
+                out["loads"] = Counter(re.findall(r"(?:ld\.global|cp\.async\.c[ag])[.\w]*",
+                                                  ptx))
+            print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
