@@ -2,6 +2,7 @@
 
     python -m benchmarks.attention            # main table, then tile / split sweeps
     python -m benchmarks.attention --quick    # main table only
+    python -m benchmarks.attention --fp8      # bf16 against fp8 caches, and fp8 tile sweep
 
 Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf16).
 Times are `triton.testing.do_bench` medians (L2 flushed before each run); "graph" is the
@@ -26,7 +27,9 @@ TOL = 2e-2  # worst per-token relative error vs the fp32 reference, bf16 inputs
 class Batch:
     """Rows of (query_len, context_len) over a shuffled paged cache of random K/V."""
 
-    def __init__(self, rows: list[tuple[int, int]], block_size: int, seed: int = 0) -> None:
+    def __init__(self, rows: list[tuple[int, int]], block_size: int, seed: int = 0,
+                 kv: str = "bf16") -> None:
+        from nanovllm.kernels import torch_attention as ta
         from nanovllm.kernels.attention_metadata import AttentionMetadata
 
         gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -60,6 +63,12 @@ class Batch:
         )
         self.scale = D**-0.5
         self.kv_bytes = sum(clens) * HKV * D * 2 * DTYPE.itemsize
+        if kv != "bf16":  # "fp8-token" / "fp8-tensor": the cache's bytes (worker/kv_cache.py)
+            width = ta.fp8_width(D, kv == "fp8-token")
+            self.k_cache, self.v_cache = (
+                ta.quantize_fp8(c.view(-1, HKV, D), width).view(*shape[:3], width)
+                for c in (self.k_cache, self.v_cache))
+            self.kv_bytes = sum(clens) * HKV * width * 2
         pairs = sum(sum(range(c - q + 1, c + 1)) for q, c in rows)
         self.flops = 4 * HQ * D * pairs
         self._expected = None
@@ -68,7 +77,9 @@ class Batch:
         from nanovllm.kernels import torch_attention as torch_backend
 
         if self._expected is None:
-            q, kc, vc = (t.float() for t in (self.q, self.k_cache, self.v_cache))
+            kc, vc = (torch_backend.dequantize_fp8(c, D, torch.float32) if c.dtype == torch.uint8
+                      else c.float() for c in (self.k_cache, self.v_cache))
+            q = self.q.float()
             self._expected = torch_backend.paged_attention(q, kc, vc, self.meta, self.scale)
         return self._expected
 
@@ -179,9 +190,10 @@ def decode_rows(num_rows: int, lo: int, hi: int, seed: int = 0) -> list[tuple[in
     return [(1, int(c)) for c in torch.randint(lo, hi + 1, (num_rows,), generator=gen)]
 
 
-def make_batch(table: Table, case: str, rows: list[tuple[int, int]], block_size: int):
+def make_batch(table: Table, case: str, rows: list[tuple[int, int]], block_size: int,
+               kv: str = "bf16"):
     try:
-        return Batch(rows, block_size)
+        return Batch(rows, block_size, kv=kv)
     except Exception as exc:
         table.error(case, "setup", exc)
         return None
@@ -254,6 +266,50 @@ def sweeps(table: Table) -> None:
                         run_triton(table, case, impl, batch, prefill_config=cfg)
 
 
+def fp8_table(table: Table) -> None:
+    """The same batches over a bf16 cache and both fp8 formats (GB/s counts each format's own
+    bytes, so equal GB/s means the fp8 run took about half the time), then fp8 decode tiles."""
+    from nanovllm.kernels import triton_attention as tb
+
+    cases = [("decode B=256 ctx~1100 bs=256", decode_rows(256, 1000, 1200), 256),
+             ("decode B=256 ragged ctx 100-2000 bs=256", decode_rows(256, 100, 2000), 256),
+             ("decode B=32 ctx=4096 bs=256", [(1, 4096)] * 32, 256),
+             ("prefill 8x512 bs=256", [(512, 512)] * 8, 256),
+             ("mixed 1x512 prefill + 255 decode ~1100", [(512, 512)]
+              + decode_rows(255, 1000, 1200), 256)]
+    for case, rows, bs in cases:
+        for kv in ("bf16", "fp8-token", "fp8-tensor"):
+            if batch := make_batch(table, f"{case} {kv}", rows, bs, kv):
+                run_triton(table, f"{case} {kv}", "triton", batch,
+                           graph=rows[0][0] == 1)
+            del batch
+    print("\n-- fp8 decode splits (* = choose_num_splits), ragged 100-2000")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    auto = tb.choose_num_splits(256, HKV, 4096, sms)
+    rows = decode_rows(256, 100, 2000)
+    for kv in ("bf16", "fp8-token", "fp8-tensor"):
+        if batch := make_batch(table, f"decode splits ragged {kv}", rows, 256, kv):
+            for splits in sorted({1, 2, 4, 8, 16, auto}):
+                for block_n in (64, 128):
+                    run_triton(table, f"decode splits ragged {kv}",
+                               f"{splits}{'*' if splits == auto else ''} n{block_n}", batch,
+                               graph=True, num_splits=splits,
+                               decode_config=tb.TileConfig(16, block_n, 4, 2))
+        del batch
+    print(f"\n-- fp8 decode tiles (default {tb.default_decode_config(D, DTYPE)})")
+    rows = decode_rows(256, 100, 2000)
+    for kv in ("fp8-token", "fp8-tensor"):
+        case = f"decode tiles ragged 100-2000 bs=256 {kv}"
+        if batch := make_batch(table, case, rows, 256, kv):
+            for block_n in (32, 64, 128):
+                for num_warps in (4, 8):
+                    for num_stages in (2, 3, 4):
+                        cfg = tb.TileConfig(16, block_n, num_warps, num_stages)
+                        run_triton(table, case, f"n{block_n} w{num_warps} s{num_stages}",
+                                   batch, decode_config=cfg)
+        del batch
+
+
 def decode_split_sweep(table: Table) -> None:
     from nanovllm.kernels import triton_attention as tb
 
@@ -282,6 +338,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="main table only, no sweeps")
     parser.add_argument("--splits", action="store_true", help="only the decode split sweep")
+    parser.add_argument("--fp8", action="store_true",
+                        help="only bf16 against fp8 caches, and the fp8 decode tile sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -292,7 +350,8 @@ def main() -> int:
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"triton {triton.__version__}; Hq={HQ} Hkv={HKV} D={D} {DTYPE}\n")
     table = Table()
-    parts = (decode_split_sweep,) if args.splits else (main_table, None if args.quick else sweeps)
+    parts = ((decode_split_sweep,) if args.splits else (fp8_table,) if args.fp8
+             else (main_table, None if args.quick else sweeps))
     for part in parts:
         if part is None:
             continue

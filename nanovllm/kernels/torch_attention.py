@@ -2,8 +2,8 @@
 
 A cache of bytes (uint8) holds float8 e4m3 values (kv_cache_dtype="fp8", worker/kv_cache.py
 KVFormat): its last dimension is head_dim (one static scale of 1) or `fp8_width` (the
-token-head's float32 scale after its values, padded to 16 bytes). K/V are quantized as they are stored and
-dequantized as a row's context is read, to the query's dtype.
+token-head's float32 scale after its values, padded to 16 bytes). K/V are quantized as they
+are stored and dequantized as a row's context is read, to the query's dtype.
 """
 
 import torch

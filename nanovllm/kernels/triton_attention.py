@@ -224,11 +224,16 @@ def store_kv(
     )
 
 
-def _fp8_flags(cache: torch.Tensor, head_dim: int) -> dict:
+def _fp8_flags(cache: torch.Tensor, head_dim: int, q: torch.Tensor | None = None) -> dict:
     """A cache of bytes holds float8 e4m3 (kv_cache_dtype="fp8"); one wider than head_dim
-    holds each token-head's float32 scale after its values (torch_attention's format)."""
+    holds each token-head's float32 scale after its values (torch_attention's format).
+    With the attention's query `q`: FP8_ASM, whether the tiles are converted by PTX into
+    float16 and the dots run in float16 (a bf16/fp16 query on a GPU; see _load_kv_tile)."""
     fp8 = cache.dtype == torch.uint8
-    return dict(FP8=fp8, SCALED=fp8 and cache.shape[-1] > head_dim)
+    flags = dict(FP8=fp8, SCALED=fp8 and cache.shape[-1] > head_dim)
+    if q is not None:
+        flags["FP8_ASM"] = fp8 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    return flags
 
 
 # ---------------------------------------------------------------------------------------
@@ -242,16 +247,22 @@ def _load_kv_tile(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, COMPUTE: tl.constexpr = None,
+    FP8_ASM: tl.constexpr = False,
 ):
-    # FP8: the tile comes back dequantized to COMPUTE (the query's dtype), scaled per
-    # position when SCALED
+    # -> (tile, scale). FP8: the tile's e4m3 values come back as COMPUTE (the query's dtype),
+    # unscaled; when SCALED, `scale` holds each position's float32 scale, which the caller
+    # applies to the scores (K) and the probabilities (V): [G, N] multiplies instead of
+    # [N, D], and the fp8 -> bf16 conversion feeds the dot directly. Otherwise `scale` is
+    # unused (and compiled away).
     # each position looks up its own block, so a tile may span part of a block or several
     if MASKED:
         blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
     else:
         blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE)
     base = blk.to(tl.int64) * stride_b + (pos % BLOCK_SIZE) * stride_s + kv_head * stride_h
-    if TRANSPOSED:  # [D, N], the right operand of q @ k^T
+    # an fp8 tile is loaded [N, D] (contiguous), converted, then transposed: loading bytes
+    # [D, N] made the compiler shuffle single bytes through shared memory
+    if TRANSPOSED and not FP8:  # [D, N], the right operand of q @ k^T
         ptrs = cache_ptr + base[None, :] + offs_d[:, None] * stride_d
         pos_ok = valid[None, :]
         dim_ok = offs_d[:, None] < HEAD_DIM
@@ -278,35 +289,58 @@ def _load_kv_tile(
             raw = tl.load(ptrs, mask=mask, other=0)
         else:
             raw = tl.load(ptrs)
-        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        if SCALED:
-            scale_ptr = (cache_ptr + base + HEAD_DIM * stride_d).to(tl.pointer_type(tl.float32))
-            if MASKED:
-                scale = tl.load(scale_ptr, mask=valid, other=0.0)
-            else:
-                scale = tl.load(scale_ptr)
-            if TRANSPOSED:
-                x = x * scale[None, :]
-            else:
-                x = x * scale[:, None]
-        tile = x.to(COMPUTE)
+        if FP8_ASM:
+            # e4m3 -> float16 in registers, 4 bytes at a time, by the instruction Triton's own
+            # cast uses; as an opaque (not pure) asm, Triton cannot move the conversion past
+            # the tile's trip through shared memory. With the cast, it did: the tile crossed
+            # as bytes, and V (contracted over positions, which are not contiguous) was
+            # gathered a byte per load (64 ld.shared.b8 a tile) instead of by ldmatrix.
+            # The dots then run in float16 (exact for e4m3; the query is clamped to it).
+            tile = tl.inline_asm_elementwise(
+                asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                    "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+                constraints="=r,=r,r", args=[raw], dtype=tl.float16, is_pure=False, pack=4)
+        else:  # the interpreter, and float32 queries
+            tile = raw.to(tl.float8e4nv, bitcast=True).to(COMPUTE)
+        if TRANSPOSED:
+            tile = tl.trans(tile)
     else:
         tile = tl.load(ptrs, mask=mask, other=other)
-    return tile
+    if SCALED:
+        scale_ptr = (cache_ptr + base + HEAD_DIM * stride_d).to(tl.pointer_type(tl.float32))
+        if MASKED:
+            scale = tl.load(scale_ptr, mask=valid, other=0.0)
+        else:
+            scale = tl.load(scale_ptr)
+    else:
+        scale = pos.to(tl.float32)
+    return tile, scale
 
 
 @triton.jit
-def _softmax_step(q, k, v, acc, m_i, l_i, allowed, scale_log2,
-                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _to_f16(x):
+    return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+
+@triton.jit
+def _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed, scale_log2,
+                  MASKED: tl.constexpr, SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # scores in the log2 domain: exp2(s * scale * log2e) == exp(s * scale)
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+    if SCALED:  # per-position scales of an fp8 cache (see _load_kv_tile)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
+    else:
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if SCALED:
+        pv = (p * v_scale[None, :]).to(v.dtype)
+    else:
+        pv = p.to(v.dtype)
+    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -326,7 +360,7 @@ def _decode_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, WRITE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr = False, SCALED: tl.constexpr = False,
+    FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
 ):
     # num_splits is a runtime int (one compiled kernel serves every split count);
     # WRITE_OUT (num_splits == 1) writes the normalized output directly, skipping the reduce
@@ -354,6 +388,8 @@ def _decode_kernel(
     q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
                 + offs_d[None, :] * stride_qd, mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
 
+    if FP8_ASM:  # an fp8 cache is read into float16 (see _load_kv_tile)
+        q = _to_f16(q)
     m_i = tl.full([BLOCK_G], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -363,16 +399,16 @@ def _decode_kernel(
     for tile in range(tile_lo, tile_hi):
         pos = tile * BLOCK_N + offs_n
         valid = pos < ctx
-        k = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
+        k, k_scale = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
                           stride_kb, stride_ks, stride_kh, stride_kd,
                           BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, True,
-                          FP8, SCALED, q_ptr.dtype.element_ty)
-        v = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
+                          FP8, SCALED, q_ptr.dtype.element_ty, FP8_ASM)
+        v, v_scale = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
                           stride_vb, stride_vs, stride_vh, stride_vd,
                           BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, False,
-                          FP8, SCALED, q_ptr.dtype.element_ty)
-        acc, m_i, l_i = _softmax_step(q.to(k.dtype), k, v, acc, m_i, l_i, valid[None, :],
-                                      scale_log2, True, DOT_PRECISION)
+                          FP8, SCALED, q_ptr.dtype.element_ty, FP8_ASM)
+        acc, m_i, l_i = _softmax_step(q.to(k.dtype), k, v, k_scale, v_scale, acc, m_i, l_i,
+                                      valid[None, :], scale_log2, True, SCALED, DOT_PRECISION)
 
     # an empty row or split (l == 0) yields 0, not 0/0
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -433,7 +469,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr = False, SCALED: tl.constexpr = False,
+    FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -480,35 +516,37 @@ def _prefill_kernel(
     kv_end = prefix + tl.minimum(t0 + BLOCK_Q, q_len)
     # tiles wholly at or before the tile's first query position need no mask at all
     full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, kv_end)
-    if not FP8:  # an fp8 cache is read into the query's dtype
+    if FP8_ASM:  # an fp8 cache is read into float16 (see _load_kv_tile)
+        q = _to_f16(q)
+    elif not FP8:  # or into the query's dtype
         q = q.to(k_cache_ptr.dtype.element_ty)
     for start in range(0, full_end, BLOCK_N):
         pos = start + offs_n
-        k = _load_kv_tile(k_cache_ptr, bt_row, pos, pos < kv_end, kv_head, offs_d,
+        k, k_scale = _load_kv_tile(k_cache_ptr, bt_row, pos, pos < kv_end, kv_head, offs_d,
                           stride_kb, stride_ks, stride_kh, stride_kd,
                           BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, True,
-                          FP8, SCALED, q_ptr.dtype.element_ty)
-        v = _load_kv_tile(v_cache_ptr, bt_row, pos, pos < kv_end, kv_head, offs_d,
+                          FP8, SCALED, q_ptr.dtype.element_ty, FP8_ASM)
+        v, v_scale = _load_kv_tile(v_cache_ptr, bt_row, pos, pos < kv_end, kv_head, offs_d,
                           stride_vb, stride_vs, stride_vh, stride_vd,
                           BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, False,
-                          FP8, SCALED, q_ptr.dtype.element_ty)
-        acc, m_i, l_i = _softmax_step(q, k, v, acc, m_i, l_i, None, scale_log2,
-                                      False, DOT_PRECISION)
+                          FP8, SCALED, q_ptr.dtype.element_ty, FP8_ASM)
+        acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
+                                      scale_log2, False, SCALED, DOT_PRECISION)
     # diagonal tiles: causal mask, and the context end (kv_end <= ctx) for the last one
     for start in range(full_end, kv_end, BLOCK_N):
         pos = start + offs_n
         valid = pos < kv_end
-        k = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
+        k, k_scale = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
                           stride_kb, stride_ks, stride_kh, stride_kd,
                           BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, True,
-                          FP8, SCALED, q_ptr.dtype.element_ty)
-        v = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
+                          FP8, SCALED, q_ptr.dtype.element_ty, FP8_ASM)
+        v, v_scale = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
                           stride_vb, stride_vs, stride_vh, stride_vd,
                           BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, False,
-                          FP8, SCALED, q_ptr.dtype.element_ty)
+                          FP8, SCALED, q_ptr.dtype.element_ty, FP8_ASM)
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        acc, m_i, l_i = _softmax_step(q, k, v, acc, m_i, l_i, allowed, scale_log2,
-                                      True, DOT_PRECISION)
+        acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed,
+                                      scale_log2, True, SCALED, DOT_PRECISION)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_off[:, None] * stride_ot + heads[:, None] * stride_oh
@@ -571,7 +609,8 @@ def paged_attention(
         GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim),
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=cfg.block_n,
         SKIP_DECODE=has_decode_rows, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_fp8_flags(k_cache, head_dim),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_fp8_flags(k_cache, head_dim, q),
     )
     return out
 
@@ -597,7 +636,8 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_G=max(16, _pow2(group)),
         BLOCK_N=cfg.block_n, WRITE_OUT=num_splits == 1, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_fp8_flags(k_cache, head_dim),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_fp8_flags(k_cache, head_dim, q),
     )
     if num_splits > 1:
         _reduce_kernel[(num_rows, num_q_heads)](

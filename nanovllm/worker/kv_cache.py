@@ -36,8 +36,8 @@ class KVFormat:
     The model's dtype with width head_dim, or for kv_cache_dtype="fp8" bytes (uint8) holding
     float8 e4m3 values: width head_dim with one static scale of 1 (kv_cache_scales="tensor"),
     or `fp8_width` bytes where the 4 after the values are the float32 scale of that token and
-    head ("token", chosen per token as its amax / 448), padded to 16 bytes. The kernels tell the formats apart by the
-    cache's dtype and width (kernels/torch_attention.py)."""
+    head ("token", chosen per token as its amax / 448), padded to 16 bytes. The kernels tell
+    the formats apart by the cache's dtype and width (kernels/torch_attention.py)."""
 
     dtype: torch.dtype
     width: int
