@@ -21,7 +21,7 @@ if [ -z "$SKIP_TESTS" ]; then
   # tests/server holds none, and its conftest imports openai, which the GPU image lacks;
   # test_kv_events.py holds none and imports msgspec and zmq, which it lacks too)
   # shellcheck disable=SC2086
-  timeout "${TESTS_S:-420}" python3 -m pytest -q --maxfail=10 -p no:cacheprovider \
+  timeout "${TESTS_S:-560}" python3 -m pytest -q --maxfail=10 -p no:cacheprovider \
     ${TESTS:--m gpu tests/ --ignore=tests/server --ignore=tests/engine/test_kv_events.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [ -z "$SKIP_ATTN" ]; then
