@@ -128,6 +128,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         opts["enforce_eager"] = True
     if args.no_overlap:
         opts["overlap"] = False
+    if args.mixed_graphs:
+        opts["mixed_graphs"] = True
     if args.compile:
         opts["torch_compile"] = True
     if args.no_fused:
@@ -219,6 +221,8 @@ def main() -> None:
     )
     ap.add_argument("--enforce-eager", action="store_true", help="engine option enforce_eager=True")
     ap.add_argument("--no-overlap", action="store_true", help="engine option overlap=False")
+    ap.add_argument("--mixed-graphs", action="store_true",
+                    help="engine option mixed_graphs=True")
     ap.add_argument("--compile", action="store_true", help="engine option torch_compile=True")
     ap.add_argument("--no-fused", action="store_true", help="engine option fused_kernels=False")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs in one process")

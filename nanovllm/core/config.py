@@ -54,6 +54,11 @@ class EngineConfig:
     kv_cache_scales: str = "token"
     device: str = "auto"  # auto | cpu | cuda
     enforce_eager: bool = False  # no CUDA graphs
+    # CUDA graphs for prefill+decode steps too, over a ladder of token counts up to
+    # MIXED_GRAPH_MAX_TOKENS (worker/cuda_graph.py); needs CUDA graphs and the Triton
+    # attention (whose launches read the step's lengths on the device). Off by default until
+    # a benchmark shows its gain (BENCHMARKS.md: none offline)
+    mixed_graphs: bool = False
     # Triton norms/RoPE/SiLU and one-pass sampler. None: on CUDA. True on a CPU needs
     # Triton's interpreter (TRITON_INTERPRET=1; tests). Takes precedence over torch_compile.
     fused_kernels: bool | None = None
@@ -183,6 +188,7 @@ class ResolvedConfig:
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8"
     kv_cache_scales: str = "token"  # fp8: "token" | "tensor"
+    mixed_graphs: bool = False  # prefill+decode steps replay CUDA graphs too
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -199,7 +205,9 @@ class ResolvedConfig:
                if self.kv_cache_dtype != "auto" else "")
             + f"prefix_caching={_on(self.enable_prefix_caching)} "
             f"policy={self.scheduling_policy} admission_batch={self.admission_batch} "
-            f"cuda_graphs={_on(self.cuda_graphs)} overlap={_on(self.overlap)} "
+            f"cuda_graphs={_on(self.cuda_graphs)}"
+            + (" (mixed steps too)" if self.mixed_graphs else "")
+            + f" overlap={_on(self.overlap)} "
             f"kernels={self.kernels} attention={self.attention_backend} "
             f"weights={self.weight_format} headroom={self.admission_headroom} "
             f"host_kv={self.num_host_blocks}x{self.block_size} tokens "

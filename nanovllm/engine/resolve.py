@@ -34,6 +34,7 @@ def resolve_config(
             f"{context} tokens (max_position_embeddings); use at most {context}"
         )
     graphs = cuda and not config.enforce_eager
+    attention = _attention(config.attention_backend, cuda)
     max_num_seqs, max_num_batched_tokens = _step_limits(config, cuda)
     admission = config.admission_batch
     if admission is None:  # graphs make decode-only steps the cheap ones
@@ -58,7 +59,7 @@ def resolve_config(
         cuda_graphs=graphs,
         overlap=cuda if config.overlap is None else config.overlap,
         kernels=_kernels(config, cuda),
-        attention_backend=_attention(config.attention_backend, cuda),
+        attention_backend=attention,
         seed=config.seed,
         num_threads=_threads(config, device),
         weight_format=_weight_format(config.weight_format, device, quantized_file),
@@ -70,6 +71,7 @@ def resolve_config(
         tensor_parallel_size=_tensor_parallel(config.tensor_parallel_size, device, model),
         kv_cache_dtype=config.kv_cache_dtype,
         kv_cache_scales=config.kv_cache_scales,
+        mixed_graphs=_mixed_graphs(config, graphs, attention),
     )
 
 
@@ -154,6 +156,15 @@ def _attention(name: str, cuda: bool) -> str:
             "TRITON_INTERPRET=1); use 'auto' or 'torch'"
         )
     return name
+
+
+def _mixed_graphs(config: EngineConfig, graphs: bool, attention: str) -> bool:
+    if config.mixed_graphs and not (graphs and attention == "triton"):
+        raise ConfigError(
+            "mixed_graphs=True needs CUDA graphs (a GPU, without enforce_eager) and the Triton "
+            "attention, whose launches read each step's lengths on the device; leave it off"
+        )
+    return config.mixed_graphs
 
 
 # (max_num_seqs, max_num_batched_tokens) when not given. A CPU's steps are bound by its

@@ -94,6 +94,9 @@ class InputBuffers:
     def slots(self, n: int) -> torch.Tensor:
         return self.dev64[2 * self.T : 2 * self.T + n]
 
+    def logits_indices(self, rows: int) -> torch.Tensor:
+        return self.dev64[3 * self.T : 3 * self.T + rows]
+
     def query_start_loc(self, rows: int) -> torch.Tensor:
         return self.dev32[: rows + 1]
 
@@ -106,12 +109,16 @@ class InputBuffers:
 
     def prepare(
         self, batch: ScheduledBatch, pad_rows: int = 0, prev_rows: dict[int, int] | None = None,
-        temperatures: list[float] | None = None,
+        temperatures: list[float] | None = None, pad_tokens: int = 0,
     ) -> StepInputs:
         """Write `batch` into the next host set and queue its copy to the device.
 
         `pad_rows` > rows pads a decode batch up to a CUDA graph's batch size: padding rows
-        have one token, slot -1 and context 0. `prev_rows` maps a sequence id to its row in
+        have one token, slot -1 and context 0. With `pad_tokens` (a prefill+decode step
+        padded up to a mixed graph's token count, rows up to `pad_rows`), the first padding
+        row holds the extra tokens, with slot -1 and context 0 (it attends to nothing and
+        writes nothing), the others none; unused sampling rows point at token 0, as the
+        graph computes logits for every row. `prev_rows` maps a sequence id to its row in
         the previous step's sampled tokens (needed when the batch has placeholders).
         `temperatures` (one per sampling row) ride along in the same copy.
         """
@@ -168,9 +175,16 @@ class InputBuffers:
             if end == seq.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
         t, s, p = len(input_ids), len(logits_indices), len(ph_pos)
-        pad = padded - r  # padding rows: one token each
-        if t + pad > T or padded > R:
-            raise ValueError(f"a step of {t + pad} tokens / {padded} rows exceeds the buffers")
+        pad = padded - r  # padding rows: one token each, or (pad_tokens) all in the first
+        if pad_tokens:
+            if pad < 1 or pad_tokens < t:
+                raise ValueError(f"cannot pad {t} tokens / {r} rows to {pad_tokens} / {padded}")
+            pad_lens = [pad_tokens - t] + [0] * (pad - 1)
+        else:
+            pad_lens = [1] * pad
+        extra = sum(pad_lens)
+        if t + extra > T or padded > R:
+            raise ValueError(f"a step of {t + extra} tokens / {padded} rows exceeds the buffers")
         h64[:t] = input_ids
         h64[T : T + t] = positions
         h64[2 * T : 2 * T + t] = slots
@@ -183,16 +197,18 @@ class InputBuffers:
         if temperatures is not None:
             h32[2 * R + 1 : 2 * R + 1 + s].view(np.float32)[:] = temperatures
         if pad:
-            h64[t : t + pad] = 0
-            h64[T + t : T + t + pad] = 0
-            h64[2 * T + t : 2 * T + t + pad] = -1
+            h64[t : t + extra] = 0
+            h64[T + t : T + t + extra] = 0
+            h64[2 * T + t : 2 * T + t + extra] = -1
             h32[R + 1 + r : R + 1 + padded] = 0
+        if pad_tokens:
+            h64[3 * T + s : 3 * T + R] = 0
         max_query_len = max(query_lens)
-        if max_query_len == 1:
+        if max_query_len == 1 and not pad_tokens:
             h32[: padded + 1] = self._arange[: padded + 1]
         else:
             h32[1 : r + 1] = np.cumsum(query_lens)
-            h32[r + 1 : padded + 1] = t + np.arange(1, pad + 1)
+            h32[r + 1 : padded + 1] = t + np.cumsum(pad_lens)
 
         if self.cuda:
             # the int64 copy always spans the fixed regions; ~400 KB at the default budget
@@ -203,8 +219,8 @@ class InputBuffers:
             event = self.events[k] or torch.cuda.Event()
             event.record()
             self.events[k] = event
-        return self.received(t + pad, s, padded, max_query_len, max(context_lens),
-                             query_lens + [1] * pad, context_lens + [0] * pad, p, ph_seq,
+        return self.received(t + extra, s, padded, max_query_len, max(context_lens),
+                             query_lens + pad_lens, context_lens + [0] * pad, p, ph_seq,
                              temperatures is not None)
 
     def received(
@@ -230,7 +246,7 @@ class InputBuffers:
             input_ids=self.input_ids(tokens),
             positions=self.positions(tokens),
             meta=meta,
-            logits_indices=self.dev64[3 * T : 3 * T + s],
+            logits_indices=self.logits_indices(s),
             num_sampling_rows=s,
             decode_only=max_query_len == 1,
             placeholder_positions=self.dev64[3 * T + R : 3 * T + R + p],

@@ -116,6 +116,7 @@ class ModelRunner:
         self.preemption_cost: PreemptionCost | None = None
         self.buffers: InputBuffers | None = None
         self.graphs = None
+        self.mixed_graphs = None
         self._token_ring: list[torch.Tensor] = []  # pinned homes of sampled tokens (CUDA)
         self._event_ring: list[torch.cuda.Event] = []
         self._ring_turn = 0
@@ -174,8 +175,10 @@ class ModelRunner:
                          cost.copy_bytes_per_s / 1e9, cost.flops_per_s / 1e12, cfg.block_size,
                          cost.swap_seconds(1) * 1e3,
                          cost.recompute_seconds(cfg.block_size) * 1e3)
+        # mixed-step graphs pad a step with one more row than a batch holds
         self.buffers = InputBuffers(
-            max(cfg.max_num_batched_tokens, cfg.max_num_seqs), cfg.max_num_seqs,
+            max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
+            cfg.max_num_seqs + (1 if cfg.mixed_graphs else 0),
             -(-cfg.max_model_len // cfg.block_size), cfg.block_size, self.device,
         )
         if self.device.type != "cuda":
@@ -189,14 +192,21 @@ class ModelRunner:
         warm_up_kernels(self)
         log.info("kernels warmed up in %.1f s", time.perf_counter() - start)
         if cfg.cuda_graphs:
-            from nanovllm.worker.cuda_graph import DecodeGraphs
+            from nanovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs
 
             start = time.perf_counter()
+            pool = None
+            if cfg.mixed_graphs:  # the larger graphs first: the decode ones share their pool
+                self.mixed_graphs = MixedGraphs(self.model, self.buffers,
+                                                cfg.max_num_batched_tokens, cfg.max_model_len)
+                pool = self.mixed_graphs.capture()
             self.graphs = DecodeGraphs(self.model, self.buffers, cfg.max_num_seqs,
                                        cfg.max_model_len)
-            self.graphs.capture()
-            log.info("captured CUDA graphs for decode batch sizes %s in %.1f s",
-                     self.graphs.sizes, time.perf_counter() - start)
+            self.graphs.capture(pool)
+            log.info("captured CUDA graphs for decode batch sizes %s%s in %.1f s",
+                     self.graphs.sizes,
+                     f" and mixed steps of {self.mixed_graphs.sizes} tokens"
+                     if self.mixed_graphs else "", time.perf_counter() - start)
 
     # ---- one step -------------------------------------------------------------------
 
@@ -223,11 +233,17 @@ class ModelRunner:
 
     def _launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
         seqs = batch.sampling_seqs
-        pad = 0
-        if self.graphs is not None and all(s.num_scheduled_tokens == 1 for s in batch.seqs):
+        pad = pad_tokens = 0
+        decode = all(s.num_scheduled_tokens == 1 for s in batch.seqs)
+        if decode and self.graphs is not None:
             pad = self.graphs.padded_size(len(batch.seqs)) or 0
+        elif not decode and self.mixed_graphs is not None:
+            tokens = sum(s.num_scheduled_tokens for s in batch.seqs)
+            pad_tokens = self.mixed_graphs.padded_size(tokens) or 0
+            pad = self.mixed_graphs.rows if pad_tokens else 0
         temps = self.sampler.one_pass_temperatures(seqs)
-        inputs = self.buffers.prepare(batch, pad, prev.rows if prev is not None else None, temps)
+        inputs = self.buffers.prepare(batch, pad, prev.rows if prev is not None else None, temps,
+                                      pad_tokens)
         self._fill_placeholders(inputs, prev)
         if self.peers is not None:
             self.peers.send_step(inputs, self.buffers, batch.copies_out, batch.copies_in)
@@ -268,6 +284,9 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and inputs.decode_only and inputs.padded_rows in graphs.graphs:
             return graphs.replay(inputs.padded_rows, inputs.num_sampling_rows)
+        mixed = self.mixed_graphs
+        if mixed is not None and mixed.serves(inputs):
+            return mixed.replay(inputs.input_ids.shape[0], inputs.num_sampling_rows)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.num_sampling_rows == 0:
             return hidden[:0]
@@ -315,5 +334,5 @@ class ModelRunner:
         """Drop the CUDA graphs (under tensor parallelism they hold NCCL work) before the
         process group goes; the runner runs eagerly after this."""
         if self.graphs is not None:
-            self.graphs = None
+            self.graphs = self.mixed_graphs = None
             torch.cuda.synchronize()

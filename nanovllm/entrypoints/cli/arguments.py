@@ -119,6 +119,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="shard the model over N ranks, one process each: GPUs, or CPU processes; under "
         "torchrun or Slurm (WORLD_SIZE set) the other ranks run `nanovllm worker`")
     opt("enforce_eager", help="GPU: no CUDA graphs")
+    opt("mixed_graphs", help="GPU: CUDA graphs for prefill+decode steps of up to 2,048 "
+        "tokens too (needs the Triton attention)")
     opt("torch_compile", help="GPU: fuse norms, RoPE and SiLU with torch.compile")
     opt("fused_kernels", action=argparse.BooleanOptionalAction,
         help="Triton norms, RoPE, SiLU and one-pass sampler (default: on with CUDA)")
