@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import triton_module
 
 triton_module("triton")
@@ -20,6 +22,9 @@ def test_attention_kernels_compile_for_sm90_with_vector_loads():
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    if results and "unsupported" in results[-1]:
+        pytest.skip(f"this Triton's compiler API is not the one sm90_ptx.py drives: "
+                    f"{results[-1]['unsupported']}")
     compiled = {(r["kernel"], r["case"]) for r in results}
     for case in ("bf16", "fp8-token", "fp8-tensor"):
         for kernel in ("_store_kv_kernel", "_decode_kernel", "_reduce_kernel",
