@@ -28,8 +28,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fair"
     # fair: admit new prompts only once this many rows are free (or as many as are waiting),
-    # so one prefill+decode step admits several; such steps run eagerly, decode-only ones as
-    # CUDA graphs. 1 admits at once. Never held back longer than admission_max_delay steps.
+    # so one prefill+decode step admits several; such steps run eagerly (unless
+    # mixed_graphs), decode-only ones as CUDA graphs. 1 admits at once. Never held back
+    # longer than admission_max_delay steps.
     # None: 16 on a GPU with CUDA graphs (capped at max_num_seqs), else 1 (see BENCHMARKS).
     admission_batch: int | None = None
     admission_max_delay: int = 16
