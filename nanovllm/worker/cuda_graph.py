@@ -32,20 +32,63 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
 
 
-class DecodeGraphs:
-    """Decode graphs captured over `InputBuffers`' device tensors: a step prepared with
-    `pad_rows=padded_size(rows)` is already in place, so `replay` launches nothing else."""
+class GraphLadder:
+    """Graphs captured over `InputBuffers`' device tensors, one per size of a ladder (rows
+    for decode, tokens for mixed steps): a step prepared padded up to `padded_size` is
+    already in place, so `replay` launches nothing else."""
 
     def __init__(
-        self, model: torch.nn.Module, buffers: InputBuffers, max_num_seqs: int,
+        self, model: torch.nn.Module, buffers: InputBuffers, sizes: list[int],
         max_model_len: int,
     ) -> None:
         self.model = model
         self.buffers = buffers
         self.max_model_len = max_model_len
-        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.sizes = sizes
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+
+    def _forward(self, size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _capture_inputs(self, size: int) -> None:
+        """Consistent inputs to capture `size` over, written outside the graph."""
+
+    @torch.inference_mode()
+    def capture(self, pool=None):
+        """Capture every size, largest first, so smaller graphs reuse its memory pool (and
+        `pool`, another ladder's); returns the pool."""
+        self.buffers.reset()
+        for size in reversed(self.sizes):
+            self._capture_inputs(size)
+            self._forward(size)  # warm-up: Triton compiles, cuBLAS picks kernels
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        return pool
+
+    def padded_size(self, n: int) -> int | None:
+        """The graph size a step of `n` (rows or tokens) runs at; None if too large."""
+        return next((s for s in self.sizes if s >= n), None)
+
+    def replay(self, size: int, num_rows: int) -> torch.Tensor:
+        """Logits [num_rows, V] of a step already written into the buffers."""
+        self.graphs[size].replay()
+        return self.logits[size][:num_rows]
+
+
+class DecodeGraphs(GraphLadder):
+    """Decode graphs, keyed by batch size: the reset buffers' rows of one token each."""
+
+    def __init__(
+        self, model: torch.nn.Module, buffers: InputBuffers, max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        super().__init__(model, buffers, graph_batch_sizes(max_num_seqs), max_model_len)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         # host-side values are those of the worst case, so launch shapes fit any batch
@@ -66,47 +109,16 @@ class DecodeGraphs:
         hidden = self.model(b.input_ids(bs), b.positions(bs), self._meta(bs))
         return self.model.compute_logits(hidden)
 
-    @torch.inference_mode()
-    def capture(self, pool=None):
-        """Capture every size, largest first, so smaller graphs reuse its memory pool (and
-        `pool`, another ladder's); returns the pool."""
-        self.buffers.reset()
-        for bs in reversed(self.sizes):
-            self._capture_inputs(bs)
-            self._forward(bs)  # warm-up: Triton compiles, cuBLAS picks kernels
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[bs] = self._forward(bs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
-        return pool
 
-    def _capture_inputs(self, bs: int) -> None:
-        """Consistent inputs to capture size `bs` over (outside the graph): the reset
-        buffers' rows of one token each serve decode."""
-
-    def padded_size(self, num_rows: int) -> int | None:
-        """The graph batch size a decode step of `num_rows` runs at; None if too large."""
-        return next((s for s in self.sizes if s >= num_rows), None)
-
-    def replay(self, bs: int, num_rows: int) -> torch.Tensor:
-        """Logits [num_rows, V] of a decode step already written into the buffers."""
-        self.graphs[bs].replay()
-        return self.logits[bs][:num_rows]
-
-
-class MixedGraphs(DecodeGraphs):
+class MixedGraphs(GraphLadder):
     """Prefill+decode graphs, keyed by token count, each over every row of the buffers; a
     step prepared with `pad_rows=rows`, `pad_tokens=padded_size(tokens)` is in place."""
 
     def __init__(
         self, model: torch.nn.Module, buffers: InputBuffers, max_tokens: int, max_model_len: int,
     ) -> None:
-        super().__init__(model, buffers, buffers.R, max_model_len)
+        super().__init__(model, buffers, mixed_graph_sizes(max_tokens), max_model_len)
         self.rows = buffers.R
-        self.sizes = mixed_graph_sizes(max_tokens)
 
     def _meta(self, tokens: int) -> AttentionMetadata:
         # the worst case again: queries up to `tokens` long (the prefill tile), a decode row
@@ -134,10 +146,6 @@ class MixedGraphs(DecodeGraphs):
         hidden = self.model(b.input_ids(tokens), b.positions(tokens), self._meta(tokens))
         # every row's last token (unused rows point at token 0), as the step's rows vary
         return self.model.compute_logits(hidden.index_select(0, b.logits_indices(self.rows)))
-
-    def padded_size(self, num_tokens: int) -> int | None:
-        """The graph token count a mixed step of `num_tokens` runs at; None if too large."""
-        return next((s for s in self.sizes if s >= num_tokens), None)
 
     def serves(self, inputs) -> bool:
         """Whether prepared `inputs` are a mixed step laid out for one of these graphs (a
