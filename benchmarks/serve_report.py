@@ -1,6 +1,7 @@
 """The serving benchmark's report (benchmarks/serve.py): a table row per request rate and a
 PNG of the latency percentiles and throughput against the rate."""
 
+import math
 from pathlib import Path
 
 
@@ -63,3 +64,39 @@ def plot(runs: list[dict], path: Path, title: str, offline: dict | None) -> None
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """Mean and coefficient of variation (sample standard deviation / mean) of repeated runs."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2 or mean == 0:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, var**0.5 / mean
+
+
+def runs_to_resolve(cv_a: float, cv_b: float, change: float = 0.05) -> int:
+    """Runs of each side so that the 95% interval of the ratio of their means is within
+    +-change/2: then a `change` between two commits stands out of the noise. Ratio of means,
+    log scale: its standard error is sqrt(cv_a^2 + cv_b^2) / sqrt(n)."""
+    return max(1, math.ceil((1.96 * math.hypot(cv_a, cv_b) / (change / 2)) ** 2))
+
+
+def print_ratio(server: list[float], offline: list[float], goal: float) -> dict:
+    """Saturated server against offline throughput, best/best and mean/mean, with how many
+    runs of each this host needs to see a 5% change. Returns the figures for the report."""
+    best = max(server) / max(offline)
+    (ms, cs), (mo, co) = spread(server), spread(offline)
+    out = {"best_over_best": best, "mean_over_mean": ms / mo, "server_cv": cs,
+           "offline_cv": co}
+    verdict = "meets" if best >= goal else "does NOT meet"
+    print(f"server at rate inf / offline throughput: best/best {best:.3f}, mean/mean "
+          f"{ms / mo:.3f} ({verdict} the {goal:g} goal)")
+    if len(server) > 1 and len(offline) > 1:
+        n = runs_to_resolve(cs, co)
+        out["runs_for_5pct"] = n
+        print(f"run-to-run spread: server {cs:.1%}, offline {co:.1%} (coefficient of "
+              f"variation over {len(server)} / {len(offline)} runs): {n} runs of each to see "
+              f"a 5% change")
+    return out
