@@ -26,7 +26,10 @@ prompts go through `nanovllm.LLM.generate` with the same engine arguments, to sh
 the server's saturated throughput (rate inf) comes to offline's (issue 11's goal: 0.95).
 With several `inf` rates and `--offline-runs N`, the ratio is given best/best and mean/mean,
 with each side's run-to-run spread and how many runs of each that spread needs for a 5%
-change to stand out (serve_report.runs_to_resolve).
+change to stand out (serve_report.runs_to_resolve). With `--launch`, each rate also reports
+each server process's busy cores and CPU time per output token (front end, engine
+processes, tensor-parallel ranks; read from /proc): at saturation, a process near one whole
+core is the one the server is bound by, the client's share is reported as before.
 
 Workloads: `--dataset random` (default) sends `--input-len` random token ids to
 /v1/completions; `--dataset chat` sends seeded chat questions to /v1/chat/completions. Both
@@ -117,6 +120,52 @@ def launch(launch_args: list[str], log_path: Path, timeout: float) -> tuple[subp
         time.sleep(0.5)
     stop(proc)
     sys.exit(f"the server did not become healthy within {timeout:.0f} s; see {log_path}")
+
+
+def process_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of the server's processes, read from /proc: the front end
+    (`root`) and every descendant (engine processes, tensor-parallel ranks), by pid, with a
+    name. Empty where /proc is missing."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += [c for c, p in parents.items() if p == pid]
+    out = {}
+    for pid in tree:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "resource_tracker" in cmd:
+            continue
+        name = ("front end" if pid == root else "tensor-parallel rank" if " worker" in cmd
+                else "engine process")
+        out[pid] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def report_server_cpu(before: dict, after: dict, run: dict) -> None:
+    """Each server process's busy cores over a run and its CPU time per output token: one
+    near a whole core is where a saturated server is bound."""
+    tokens = run["output_throughput"] * run["duration_s"]
+    parts = []
+    for pid, (name, end) in sorted(after.items()):
+        used = end - before.get(pid, (name, 0.0))[1]
+        parts.append(f"{name} {pid}: {used / run['duration_s']:.2f} cores, "
+                     f"{1e6 * used / max(tokens, 1):.1f} us/token")
+        run.setdefault("server_cpu", []).append(
+            {"process": name, "pid": pid, "cpu_s": used, "cores": used / run["duration_s"]})
+    print("       server CPU: " + "; ".join(parts))
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -236,8 +285,11 @@ def main() -> None:
         asyncio.run(warm_up(args, base_url, model, warm_reqs))
         runs = []
         for rate, rate_set in zip(rates, rate_reqs):
+            before = process_cpu(proc.pid) if proc is not None else {}
             runs.append(run_rate(args, base_url, model, rate_set, rate))
             print_table(runs[-1:])
+            if before:
+                report_server_cpu(before, process_cpu(proc.pid), runs[-1])
     finally:
         if proc is not None:
             stop(proc)
