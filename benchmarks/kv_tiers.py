@@ -42,7 +42,7 @@ import torch
 from benchmarks.random_model import build_random_model
 from nanovllm import SamplingParams
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.worker.kv_cache import kv_bytes_per_token
+from nanovllm.worker.kv_cache import KVFormat, kv_bytes_per_token
 
 HERE = Path(__file__).resolve().parent
 QWEN3_8B = {  # Qwen3-8B's config.json, the fields a decoder reads
@@ -344,7 +344,8 @@ def main() -> None:
 def kv_bytes_per_token_of(cfg: dict, dtype: torch.dtype) -> int:
     from nanovllm.model.config import ModelConfig
 
-    return kv_bytes_per_token(ModelConfig.from_hf(cfg), dtype)
+    model = ModelConfig.from_hf(cfg)
+    return kv_bytes_per_token(model, KVFormat(dtype, model.head_dim))
 
 
 if __name__ == "__main__":

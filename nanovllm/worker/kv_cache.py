@@ -54,9 +54,7 @@ class KVFormat:
         return self.width * torch.empty(0, dtype=self.dtype).element_size()
 
 
-def kv_bytes_per_token(model: ModelConfig, fmt: "KVFormat | torch.dtype") -> int:
-    if isinstance(fmt, torch.dtype):
-        fmt = KVFormat(fmt, model.head_dim)
+def kv_bytes_per_token(model: ModelConfig, fmt: KVFormat) -> int:
     return 2 * model.num_hidden_layers * model.num_key_value_heads * fmt.bytes_per_head
 
 
@@ -98,11 +96,9 @@ class KVCache:
     """The cache tensor of `num_blocks` blocks, bound to the model's attention layers."""
 
     def __init__(
-        self, model: ModelConfig, num_blocks: int, block_size: int,
-        fmt: KVFormat | torch.dtype, device: torch.device,
+        self, model: ModelConfig, num_blocks: int, block_size: int, fmt: KVFormat,
+        device: torch.device,
     ) -> None:
-        if isinstance(fmt, torch.dtype):
-            fmt = KVFormat(fmt, model.head_dim)
         dtype = fmt.dtype
         shape = (2, model.num_hidden_layers, num_blocks, block_size, model.num_key_value_heads,
                  fmt.width)
