@@ -20,9 +20,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanovllm.core.config import ResolvedConfig
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import PLACEHOLDER
 from nanovllm.kernels.attention_metadata import AttentionMetadata
+
+
+def buffer_rows(config: ResolvedConfig) -> int:
+    """Rows a step's buffers hold: every sequence of a batch, and with mixed-step CUDA
+    graphs the padding row that takes a padded step's extra tokens."""
+    return config.max_num_seqs + (1 if config.mixed_graphs else 0)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanovllm.core.config import ResolvedConfig
+from nanovllm.worker.inputs import buffer_rows
 
 # header[0]
 STEP, CONTROL = 1, 2
@@ -22,9 +23,10 @@ HEADER_LEN = 11
 INLINE_COPY_INTS = 64  # room for 32 (source, destination) pairs after the rows' lengths
 
 
-def step_header_len(max_num_seqs: int) -> int:
-    """The header tensor's length once WorkerInit is through (before it: HEADER_LEN)."""
-    return HEADER_LEN + 2 * max_num_seqs + INLINE_COPY_INTS
+def step_header_len(config: ResolvedConfig) -> int:
+    """The header tensor's length once WorkerInit is through (before it: HEADER_LEN): room
+    for every buffer row's two lengths and a few KV copies."""
+    return HEADER_LEN + 2 * buffer_rows(config) + INLINE_COPY_INTS
 
 
 @dataclass(frozen=True)

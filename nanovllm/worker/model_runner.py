@@ -25,7 +25,7 @@ from nanovllm.model.loader.source import ModelSource
 from nanovllm.model.loader.weights import load_weights
 from nanovllm.model.models.registry import build_model
 from nanovllm.model.parallel import SINGLE, TensorParallel
-from nanovllm.worker.inputs import InputBuffers, StepInputs
+from nanovllm.worker.inputs import InputBuffers, StepInputs, buffer_rows
 from nanovllm.worker.kv_cache import (
     HostKVPool,
     KVCache,
@@ -175,10 +175,8 @@ class ModelRunner:
                          cost.copy_bytes_per_s / 1e9, cost.flops_per_s / 1e12, cfg.block_size,
                          cost.swap_seconds(1) * 1e3,
                          cost.recompute_seconds(cfg.block_size) * 1e3)
-        # mixed-step graphs pad a step with one more row than a batch holds
         self.buffers = InputBuffers(
-            max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
-            cfg.max_num_seqs + (1 if cfg.mixed_graphs else 0),
+            max(cfg.max_num_batched_tokens, cfg.max_num_seqs), buffer_rows(cfg),
             -(-cfg.max_model_len // cfg.block_size), cfg.block_size, self.device,
         )
         if self.device.type != "cuda":
@@ -234,11 +232,11 @@ class ModelRunner:
     def _launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
         seqs = batch.sampling_seqs
         pad = pad_tokens = 0
-        decode = all(s.num_scheduled_tokens == 1 for s in batch.seqs)
+        tokens = batch.num_tokens
+        decode = tokens == len(batch.seqs)  # every row schedules at least one token
         if decode and self.graphs is not None:
             pad = self.graphs.padded_size(len(batch.seqs)) or 0
         elif not decode and self.mixed_graphs is not None:
-            tokens = sum(s.num_scheduled_tokens for s in batch.seqs)
             pad_tokens = self.mixed_graphs.padded_size(tokens) or 0
             pad = self.mixed_graphs.rows if pad_tokens else 0
         temps = self.sampler.one_pass_temperatures(seqs)

@@ -94,7 +94,7 @@ class Peers:
         self._header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         try:
             self.control(WorkerInit(model_path, config, frozenset(eos_token_ids)))
-            self._header = torch.zeros(step_header_len(config.max_num_seqs), dtype=torch.int64)
+            self._header = torch.zeros(step_header_len(config), dtype=torch.int64)
             with self.busy_section():
                 group = main_group(config, rdv.local_rank)
         except BaseException as e:
