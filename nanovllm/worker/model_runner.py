@@ -131,7 +131,9 @@ class ModelRunner:
         from nanovllm.worker.messages import MeasureKVBlocks
 
         self.peers.control(MeasureKVBlocks())
-        return self._in_step(lambda: self.peers.smallest(self._measure_kv_blocks()))
+        from nanovllm.worker.tp_group import smallest
+
+        return self._in_step(lambda: smallest(self._measure_kv_blocks()))
 
     def _measure_kv_blocks(self) -> int:
         return plan_num_blocks(self.config, self.model_config, self.kv_format, self.device,

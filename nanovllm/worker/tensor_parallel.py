@@ -121,19 +121,16 @@ class Peers:
     # ---- messages ---------------------------------------------------------------------
 
     def control(self, msg: WorkerMessage) -> None:
-        """Send a start-up or shutdown message to every rank."""
+        """Send a start-up message to every rank."""
         self.check()
+        with self.busy_section():
+            self._broadcast_control(msg)
+
+    def _broadcast_control(self, msg: WorkerMessage) -> None:
         self._header.zero_()
         self._header[0] = CONTROL
-        with self.busy_section():
-            dist.broadcast(self._header, 0, group=self.control_group)
-            dist.broadcast_object_list([msg], 0, group=self.control_group)
-
-    def smallest(self, n: int) -> int:
-        """The smallest of every rank's `n` (each rank calls this with its own)."""
-        t = torch.tensor([n], dtype=torch.int64)
-        dist.all_reduce(t, dist.ReduceOp.MIN, group=self.control_group)
-        return int(t.item())
+        dist.broadcast(self._header, 0, group=self.control_group)
+        dist.broadcast_object_list([msg], 0, group=self.control_group)
 
     def send_step(self, inputs: StepInputs, buffers, copies_out, copies_in) -> None:
         """The step's inputs to every rank: the header and host lists on the control group,
@@ -237,10 +234,7 @@ class Peers:
         self._closing = True
         if self.dead is None:
             try:
-                self._header.zero_()
-                self._header[0] = CONTROL
-                dist.broadcast(self._header, 0, group=self.control_group)
-                dist.broadcast_object_list([Shutdown()], 0, group=self.control_group)
+                self._broadcast_control(Shutdown())
             except RuntimeError:
                 pass  # a rank is gone already
         leave_group()  # while the other ranks leave theirs: NCCL's teardown meets them

@@ -82,6 +82,14 @@ def main_group(config: ResolvedConfig, local_rank: int):
     return dist.new_group(backend="nccl")
 
 
+def smallest(n: int) -> int:
+    """The smallest of every rank's `n` (each rank calls this with its own), over the
+    control group."""
+    t = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(t, dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -23,7 +23,7 @@ from nanovllm.worker.messages import (
     WorkerInit,
     step_header_len,
 )
-from nanovllm.worker.tp_group import Rendezvous, join, leave_group, main_group
+from nanovllm.worker.tp_group import Rendezvous, join, leave_group, main_group, smallest
 
 log = logging.getLogger("nanovllm")
 
@@ -84,9 +84,7 @@ def run_worker(rdv: Rendezvous | None = None) -> int:
                     header = torch.zeros(step_header_len(config),
                                          dtype=torch.int64)
                 case MeasureKVBlocks():
-                    n = runner.measure_kv_blocks()
-                    t = torch.tensor([n], dtype=torch.int64)
-                    dist.all_reduce(t, dist.ReduceOp.MIN)
+                    smallest(runner.measure_kv_blocks())
                 case Setup(config=config):
                     runner.setup(config)
                 case Shutdown():
