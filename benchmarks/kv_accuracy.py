@@ -18,12 +18,10 @@ the common prefix.
 """
 
 import argparse
-import json
-import time
 
 import torch
 
-from benchmarks.quant_accuracy import HELD_OUT, agreement
+from benchmarks.quant_accuracy import HELD_OUT, agreement, report
 
 ENGINES = {  # name -> engine options beside the shared ones
     "float32": dict(dtype="float32"),
@@ -66,16 +64,7 @@ def main() -> None:
                                                                  runner.kv_format)
     print(f"{len(chats)} held-out chat prompts, {args.max_tokens} greedy tokens each; "
           f"KL({REFERENCE} || engine) per token, nats; default model, bfloat16 on the CPU")
-    print(f"{'KV cache':11s} {'mean KL':>10s} {'p99 KL':>10s} {'max KL':>10s} "
-          f"{'same text':>10s} {'common prefix':>14s} {'KV bytes/token':>15s}")
-    for name, f in figures.items():
-        print(f"{name:11s} {f['mean_kl']:10.2e} {f['p99_kl']:10.2e} {f['max_kl']:10.2e} "
-              f"{f['same_continuation']:>10s} {f['mean_common_prefix']:14.1f} "
-              f"{f['kv_bytes_per_token']:15,d}")
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump({"figures": figures, "date": time.strftime("%Y-%m-%d"),
-                       "max_tokens": args.max_tokens}, fh, indent=1)
+    report(figures, "KV cache", 11, args, ("KV bytes/token", "kv_bytes_per_token", "15,d"))
 
 
 if __name__ == "__main__":

@@ -53,6 +53,22 @@ def agreement(chats, base, mine, references, ours) -> dict:
     }
 
 
+def report(figures: dict[str, dict], label: str, width: int, args, extra=None) -> None:
+    """The agreement table, one row per engine (`extra`: (heading, key, format) of a last
+    column), and with --out the figures as JSON."""
+    head = (f"{label:{width}s} {'mean KL':>10s} {'p99 KL':>10s} {'max KL':>10s} "
+            f"{'same text':>10s} {'common prefix':>14s}")
+    print(head + (f" {extra[0]:>15s}" if extra else ""))
+    for name, f in figures.items():
+        row = (f"{name:{width}s} {f['mean_kl']:10.2e} {f['p99_kl']:10.2e} {f['max_kl']:10.2e} "
+               f"{f['same_continuation']:>10s} {f['mean_common_prefix']:14.1f}")
+        print(row + (f" {f[extra[1]]:{extra[2]}}" if extra else ""))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"figures": figures, "date": time.strftime("%Y-%m-%d"),
+                       "max_tokens": args.max_tokens}, fh, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -82,15 +98,7 @@ def main() -> None:
                for fmt, llm in engines.items()}
     print(f"{len(chats)} held-out chat prompts, {args.max_tokens} greedy tokens each; "
           "KL(transformers float32 || engine) per token, nats")
-    print(f"{'weights':8s} {'mean KL':>10s} {'p99 KL':>10s} {'max KL':>10s} "
-          f"{'same text':>10s} {'common prefix':>14s}")
-    for fmt, f in figures.items():
-        print(f"{fmt:8s} {f['mean_kl']:10.2e} {f['p99_kl']:10.2e} {f['max_kl']:10.2e} "
-              f"{f['same_continuation']:>10s} {f['mean_common_prefix']:14.1f}")
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump({"figures": figures, "date": time.strftime("%Y-%m-%d"),
-                       "max_tokens": args.max_tokens}, fh, indent=1)
+    report(figures, "weights", 8, args)
 
 
 if __name__ == "__main__":
