@@ -82,17 +82,16 @@ class Linear(nn.Module):
         return "dense (dequantized)"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        row = self.parallel == "row"
         if self.packed is not None:
             if self.bf16 is not None and x.shape[0] >= BF16_FROM_ROWS:  # x: [T, K]
                 y = F.linear(x.to(torch.bfloat16), self.bf16).to(x.dtype)
             else:
                 y = int4_linear(x, *self.packed)
+        elif self.parallel != "row":
+            return F.linear(x, self.weight, self.bias)
         else:
-            y = F.linear(x, self.weight, None if row else self.bias)
-            if not row:
-                return y
-        if row:
+            y = F.linear(x, self.weight)
+        if self.parallel == "row":  # partial sums: the bias goes on once, after
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
