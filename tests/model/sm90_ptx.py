@@ -72,14 +72,21 @@ def _signature(fn, args, kwargs):
     return sig, consts, attrs, options
 
 
-def record(tb, ta, kv_cache_dtype: str, scales: str) -> list:
+def record(kv_cache_dtype: str, scales: str) -> list:
+    import importlib
+
     from nanovllm.kernels.attention_metadata import AttentionMetadata
     from nanovllm.worker.kv_cache import KVFormat
 
+    # fresh modules (the store's first: the attention module re-exports its store_kv), their
+    # kernels swapped for recorders
+    ts = importlib.reload(importlib.import_module("nanovllm.kernels.triton_kv_store"))
+    tb = importlib.reload(importlib.import_module("nanovllm.kernels.triton_attention"))
     fmt = KVFormat.of(kv_cache_dtype, scales, torch.bfloat16, D)
     calls = []
-    for name in ("_store_kv_kernel", "_decode_kernel", "_reduce_kernel", "_prefill_kernel"):
-        setattr(tb, name, Recorder(getattr(tb, name), calls))
+    for module, name in ((ts, "_store_kv_kernel"), (tb, "_decode_kernel"),
+                         (tb, "_reduce_kernel"), (tb, "_prefill_kernel")):
+        setattr(module, name, Recorder(getattr(module, name), calls))
     # a mixed step: two decode rows with long contexts (KV splits) and a prefill chunk
     rows = [(1, 3000), (1, 700), (300, 800)]
     tokens = sum(q for q, _ in rows)
@@ -108,11 +115,8 @@ def record(tb, ta, kv_cache_dtype: str, scales: str) -> list:
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET=1: the point is the compiler")
-    import importlib
-
     import triton
 
-    ta = importlib.import_module("nanovllm.kernels.torch_attention")
     try:  # Triton's compiler API (3.x): another one is reported, not taken for our error
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource, compile
@@ -121,8 +125,7 @@ def main() -> None:
         print(json.dumps({"unsupported": f"triton {triton.__version__}: {e!r}"}))
         return
     for case, (kv_dtype, scales) in CASES.items():
-        tb = importlib.reload(importlib.import_module("nanovllm.kernels.triton_attention"))
-        for fn, args, kwargs in record(tb, ta, kv_dtype, scales):
+        for fn, args, kwargs in record(kv_dtype, scales):
             sig, consts, attrs, options = _signature(fn, args, dict(kwargs))
             out = {"kernel": fn.__name__, "case": case}
             try:

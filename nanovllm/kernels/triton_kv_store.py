@@ -1,0 +1,116 @@
+"""Writing K/V into the paged cache in Triton (`store_kv`), the CUDA backend's counterpart of
+`torch_attention.store_kv`: the same bytes, for the model's dtype and for an fp8 cache
+(float8 e4m3 values, then each token-head's float32 scale when the cache is that wide).
+triton_attention.py reads what this writes and re-exports `store_kv`, so the backend is one
+module to the model (kernels/__init__.py)."""
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = tl.constexpr(448.0)  # the largest float8 e4m3 value
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    # clamp so a skipped (-1) slot never forms an address before the cache, even masked
+    safe = tl.maximum(slot, 0)
+    blk = safe // BLOCK_SIZE
+    off = safe % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    # the skip folded into the head bound (a `& scalar_bool` mask trips the interpreter)
+    mask = (offs_h[:, None] < tl.where(slot >= 0, NUM_HEADS, 0)) & (offs_d[None, :] < HEAD_DIM)
+    src = tok.to(tl.int64)
+    k = tl.load(k_ptr + src * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
+                mask=mask)
+    v = tl.load(v_ptr + src * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
+                mask=mask)
+    kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs
+    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs
+    if FP8:
+        head_mask = offs_h < tl.where(slot >= 0, NUM_HEADS, 0)
+        _store_fp8(kc, k, mask, head_mask, offs_h, offs_d, stride_kch, stride_kcd,
+                   HEAD_DIM, SCALED)
+        _store_fp8(vc, v, mask, head_mask, offs_h, offs_d, stride_vch, stride_vcd,
+                   HEAD_DIM, SCALED)
+    else:
+        tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
+                 k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd,
+                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_fp8(cache, x, mask, head_mask, offs_h, offs_d, stride_h, stride_d,
+               HEAD_DIM: tl.constexpr, SCALED: tl.constexpr):
+    # the torch reference's quantize_fp8: float8 e4m3 bytes, then (SCALED) each head's
+    # float32 scale amax / 448 in the 4 bytes after its values
+    x = x.to(tl.float32)
+    if SCALED:
+        scale = tl.maximum(tl.max(tl.abs(tl.where(mask, x, 0.0)), 1), 1e-12) / FP8_MAX
+        x = x / scale[:, None]
+        scale_ptr = (cache + offs_h * stride_h + HEAD_DIM * stride_d).to(
+            tl.pointer_type(tl.float32))
+        tl.store(scale_ptr, scale, mask=head_mask)
+    x = _round_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
+    tl.store(cache + offs_h[:, None] * stride_h + offs_d[None, :] * stride_d,
+             x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _round_e4m3(x):
+    # x (float32, |x| <= 448) rounded to the nearest float8 e4m3 value, ties to even, in
+    # float32 arithmetic, so the cast after it is exact: the interpreter's own cast loses
+    # the carry of a mantissa that rounds up (1.97 -> 1.0); a GPU's cast would agree
+    bits = x.to(tl.int32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3: subnormal below 2^-6
+    step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer, RNE
+    r = ((tl.abs(x) / step + magic) - magic) * step
+    return tl.where(bits < 0, -r, r)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V ([T, Hkv, D]) into its cache slot; slot -1 skips the token.
+
+    Grid: (T,), from the shape only, so it can sit inside a captured CUDA graph.
+    """
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0 or k_cache.numel() == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim), **_fp8_flags(k_cache, head_dim),
+    )
+
+
+def _fp8_flags(cache: torch.Tensor, head_dim: int, q: torch.Tensor | None = None) -> dict:
+    """A cache of bytes holds float8 e4m3 (kv_cache_dtype="fp8"); one wider than head_dim
+    holds each token-head's float32 scale after its values (torch_attention's format).
+    With the attention's query `q`: FP8_ASM, whether the tiles are converted by PTX into
+    float16 and the dots run in float16 (a bf16/fp16 query on a GPU; see _load_kv_tile)."""
+    fp8 = cache.dtype == torch.uint8
+    flags = dict(FP8=fp8, SCALED=fp8 and cache.shape[-1] > head_dim)
+    if q is not None:
+        flags["FP8_ASM"] = fp8 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    return flags
