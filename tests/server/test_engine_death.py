@@ -11,14 +11,17 @@ import time
 import httpx
 
 from tests.server.harness import ServerProcess, metric, scrape
+from tests.support import build_tiny_model
 
-# ~500 steps of the tiny model: the engine is killed while both requests still run
-LONG = {"prompt": [5, 6, 7, 8], "max_tokens": 500, "ignore_eos": True, "temperature": 0.0}
+# ~16,000 steps of the tiny model, tens of seconds even unloaded: the engine is killed while
+# both requests run, however late the client threads see their first tokens
+LONG = {"prompt": [5, 6, 7, 8], "max_tokens": 16000, "ignore_eos": True, "temperature": 0.0}
 
 
-def test_engine_death_fails_what_is_in_flight_and_exits_non_zero(tiny_llama, tmp_path):
-    srv = ServerProcess(tmp_path / "server.log", "--model", str(tiny_llama),
-                        "--max-model-len", "512", "--max-num-seqs", "4")
+def test_engine_death_fails_what_is_in_flight_and_exits_non_zero(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "model", "llama", max_position_embeddings=16384)
+    srv = ServerProcess(tmp_path / "server.log", "--model", str(model_dir),
+                        "--max-model-len", "16384", "--max-num-seqs", "4")
     try:
         srv.wait_ready()
         model = httpx.get(srv.url + "/v1/models", timeout=10).json()["data"][0]["id"]
@@ -36,21 +39,29 @@ def test_engine_death_fails_what_is_in_flight_and_exits_non_zero(tiny_llama, tmp
         plain: list[httpx.Response] = []
         waiter = threading.Thread(target=lambda: plain.append(httpx.post(
             srv.url + "/v1/completions", json={**LONG, "model": model}, timeout=60)))
-        waiter.start()
-        reader = threading.Thread(target=stream)
-        reader.start()
+        # Both requests wait in the engine's pipe while it is stopped, so it admits them in
+        # one step and they run in step: when the stream has its first token the plain
+        # request runs too. Sent to a running engine, on a loaded 2-core machine, the plain
+        # one could finish its 500 steps before the stream started.
+        engine = srv.engine_pid()
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            waiter.start()
+            reader = threading.Thread(target=stream)
+            reader.start()
+            time.sleep(2.0)  # two local POSTs reach the pipe
+        finally:
+            os.kill(engine, signal.SIGCONT)
         assert started.wait(60), "the stream never started"
-        # both requests in the engine before it dies (the plain one may still be on its way:
-        # a request the engine never accepted gets its 503 but no log line)
         deadline = time.monotonic() + 30
         while metric(scrape(srv), "nanovllm:num_requests_running") < 2:
             assert time.monotonic() < deadline, "the two requests never ran together"
             time.sleep(0.05)
         srv.known_children |= set(srv.descendants())
         killed_at = time.monotonic()
-        os.kill(srv.engine_pid(), signal.SIGKILL)
-        reader.join(30)
-        waiter.join(30)
+        os.kill(engine, signal.SIGKILL)
+        reader.join(60)
+        waiter.join(60)
         assert not reader.is_alive() and not waiter.is_alive(), "a request hung on a dead engine"
 
         # the stream: tokens, then an error event with OpenAI's body, then [DONE]
