@@ -3,6 +3,7 @@
     python -m benchmarks.attention            # main table, then tile / split sweeps
     python -m benchmarks.attention --quick    # main table only
     python -m benchmarks.attention --fp8      # bf16 against fp8 caches, and fp8 tile sweep
+    python -m benchmarks.attention --ragged   # ragged decode against the copy bandwidth
 
 Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf16).
 Times are `triton.testing.do_bench` medians (L2 flushed before each run); "graph" is the
@@ -142,9 +143,9 @@ def run_triton(table: Table, case: str, impl: str, batch: Batch, graph: bool = F
     try:
         err = rel_error(fn(), batch.expected())
         ms = bench(fn)
-        table.row(case, impl, ms, bench_graph(fn) if graph else None, batch.kv_bytes,
-                  batch.flops, err)
-        return ms
+        graph_ms = bench_graph(fn) if graph else None
+        table.row(case, impl, ms, graph_ms, batch.kv_bytes, batch.flops, err)
+        return min(ms, graph_ms) if graph_ms else ms
     except Exception as exc:
         table.error(case, impl, exc)
         return None
@@ -310,6 +311,44 @@ def fp8_table(table: Table) -> None:
         del batch
 
 
+def seed_decode_rows(num_rows: int, seed: int = 0) -> list[tuple[int, int]]:
+    """Decode rows as the seed workload (bench.py) has them midway: prompts of 100-1,024
+    tokens, outputs of 100-1,024, each row some way through its output."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(num_rows):
+        prompt, output = (int(x) for x in torch.randint(100, 1025, (2,), generator=gen))
+        rows.append((1, prompt + int(torch.randint(1, output + 1, (1,), generator=gen))))
+    return rows
+
+
+def ragged_table(table: Table) -> None:
+    """Decode over ragged contexts against the device's copy bandwidth, measured in this run
+    (issue 11's goal: >= 0.90 of it), in batch order and longest first, 1 and 2 splits."""
+    from benchmarks.speed_of_light import _copy_seconds
+
+    copy_bytes = 2 * 2**30
+    copy_gbs = 2 * copy_bytes / _copy_seconds(copy_bytes, DTYPE, torch.device("cuda")) / 1e9
+    print(f"copy bandwidth (2 GiB device to device, read + written): {copy_gbs:,.0f} GB/s")
+    summary = []
+    cases = [("decode B=256 seed contexts bs=256", seed_decode_rows(256)),
+             ("decode B=256 ragged ctx 100-2000 bs=256", decode_rows(256, 100, 2000)),
+             ("decode B=256 ctx~1100 bs=256", decode_rows(256, 1000, 1200))]
+    for case, rows in cases:
+        if batch := make_batch(table, case, rows, 256):
+            for splits in (1, 2):
+                for longest in (False, True):
+                    impl = f"{splits} split{'s' * (splits > 1)} {'longest first' * longest}"
+                    ms = run_triton(table, case, impl, batch, graph=True, num_splits=splits,
+                                    longest_first=longest)
+                    if ms:
+                        summary.append((case, impl, batch.kv_bytes / ms / 1e6))
+        del batch
+    print(f"\n{'case':44s} {'impl':28s} {'GB/s':>8s} {'of copy':>8s}")
+    for case, impl, gbs in summary:
+        print(f"{case:44s} {impl:28s} {gbs:8.0f} {gbs / copy_gbs:8.3f}")
+
+
 def decode_split_sweep(table: Table) -> None:
     from nanovllm.kernels import triton_attention as tb
 
@@ -340,6 +379,8 @@ def main() -> int:
     parser.add_argument("--splits", action="store_true", help="only the decode split sweep")
     parser.add_argument("--fp8", action="store_true",
                         help="only bf16 against fp8 caches, and the fp8 decode tile sweep")
+    parser.add_argument("--ragged", action="store_true",
+                        help="only decode over ragged contexts against the copy bandwidth")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -351,6 +392,7 @@ def main() -> int:
           f"triton {triton.__version__}; Hq={HQ} Hkv={HKV} D={D} {DTYPE}\n")
     table = Table()
     parts = ((decode_split_sweep,) if args.splits else (fp8_table,) if args.fp8
+             else (ragged_table,) if args.ragged
              else (main_table, None if args.quick else sweeps))
     for part in parts:
         if part is None:

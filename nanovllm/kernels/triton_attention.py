@@ -9,7 +9,9 @@ Two entry points:
     (row, kv head, split); the kv head's GQA query heads are the M dimension of `tl.dot`
     (padded to 16), so each K/V tile is read once per group. With num_splits > 1 each
     split covers a slice of the context and writes a partial (normalized acc, log2-sum-exp),
-    and `_reduce_kernel` combines the splits (flash-decoding).
+    and `_reduce_kernel` combines the splits (flash-decoding). With `longest_first` the
+    grid is (kv head x split, row slot) and slot i runs the i-th longest row: the GPU
+    starts programs in grid order, so no long row starts last and runs alone at the end.
   * rows with several query tokens (prefill, chunked prefill over a cached prefix) go to
     `_prefill_kernel`, one program per (tile of BLOCK_Q tokens of one row, kv head) with
     M = BLOCK_Q tokens x the group's query heads; the causal mask is applied only to the
@@ -61,6 +63,9 @@ NEG_BIG = tl.constexpr(-1.0e30)
 TARGET_PROGRAMS_PER_SM = 4  # bf16 d128 decode programs fit ~5 per SM (regs and smem)
 MIN_SPLIT_TOKENS = 256  # fewer tokens per split and the partial write + reduce dominate
 MAX_SPLITS = 64
+# decode programs of the longest contexts start first (paged_attention's `longest_first`);
+# off until benchmarks/attention.py --ragged measures its gain on the GPU
+LONGEST_FIRST = False
 
 
 @dataclass(frozen=True)
@@ -246,7 +251,7 @@ def _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed, scale_log2,
 @triton.jit(do_not_specialize=["num_splits"])  # see _NO_RESPECIALIZE
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    qsl_ptr, ctx_ptr, bt_ptr, scale_log2, num_splits,
+    qsl_ptr, ctx_ptr, bt_ptr, order_ptr, scale_log2, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -256,12 +261,20 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, WRITE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
+    LONGEST_FIRST: tl.constexpr = False,
 ):
     # num_splits is a runtime int (one compiled kernel serves every split count);
     # WRITE_OUT (num_splits == 1) writes the normalized output directly, skipping the reduce
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    if LONGEST_FIRST:
+        # grid (kv head x split, row slot): the GPU starts programs in that order, so every
+        # program of the longest row first and the shortest rows' last (see _launch_decode)
+        kv_head = tl.program_id(0) % (NUM_Q_HEADS // GROUP)
+        split = tl.program_id(0) // (NUM_Q_HEADS // GROUP)
+        row = tl.load(order_ptr + tl.program_id(1))
+    else:
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + row)
     q_len = tl.load(qsl_ptr + row + 1) - q_start
     # rows with several tokens belong to the prefill kernel, rows with none are padding
@@ -463,12 +476,15 @@ def paged_attention(
     num_splits: int | None = None,
     prefill_config: TileConfig | None = None,
     decode_config: TileConfig | None = None,
+    longest_first: bool = LONGEST_FIRST,
 ) -> torch.Tensor:
     """Attention of q ([T, Hq, D], any strides) over each row's cached context; [T, Hq, D].
 
     Same contract as `torch_attention.paged_attention`. `num_splits` fixes the decode KV
     splits (default: `choose_num_splits` from the row count and meta.max_context_len);
-    the configs override tile sizes. See the module docstring for what a launch bakes in.
+    the configs override tile sizes; `longest_first` starts the decode programs of the
+    longest contexts first (same results, another order). See the module docstring for what
+    a launch bakes in.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -480,7 +496,8 @@ def paged_attention(
         return out
     group = num_q_heads // num_kv_heads
     scale_log2 = scale * LOG2E
-    common = dict(qsl=meta.query_start_loc, ctx=meta.context_lens, bt=meta.block_tables)
+    common = dict(qsl=meta.query_start_loc, ctx=meta.context_lens, bt=meta.block_tables,
+                  order=_longest_first(meta) if longest_first else None)
     if meta.max_query_len == 1:
         _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group,
                        meta.max_context_len, num_splits, decode_config, **common)
@@ -498,7 +515,7 @@ def paged_attention(
     grid = (num_tokens // block_q + num_rows, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out,
-        common["qsl"], common["ctx"], common["bt"], scale_log2, num_rows,
+        meta.query_start_loc, meta.context_lens, meta.block_tables, scale_log2, num_rows,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         meta.block_tables.stride(0),
         GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim),
@@ -510,8 +527,18 @@ def paged_attention(
     return out
 
 
+def _longest_first(meta: AttentionMetadata) -> torch.Tensor:
+    """The rows by context length, longest first ([B] int32), sorted on the device once per
+    step (every layer shares it; a CUDA graph replays the sort)."""
+    order = meta.derived.get("longest_first")
+    if order is None:
+        order = torch.argsort(meta.context_lens, descending=True).to(torch.int32)
+        meta.derived["longest_first"] = order
+    return order
+
+
 def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_context_len,
-                   num_splits, cfg, qsl, ctx, bt) -> None:
+                   num_splits, cfg, qsl, ctx, bt, order) -> None:
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     cfg = cfg or default_decode_config(head_dim, q.dtype)
@@ -525,14 +552,19 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
                                dtype=torch.float32, device=q.device)
     else:  # the kernel writes `out` directly and never touches these
         part_o = part_lse = out
-    _decode_kernel[(num_rows, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, qsl, ctx, bt, scale_log2, num_splits,
+    # Programs start in grid order, x fastest. In batch order a long row may start last and
+    # run alone at the end; longest first, the last to start are the shortest (LPT order).
+    grid = ((num_rows, num_kv_heads, num_splits) if order is None
+            else (num_kv_heads * num_splits, num_rows))
+    _decode_kernel[grid](
+        q, k_cache, v_cache, out, part_o, part_lse, qsl, ctx, bt,
+        ctx if order is None else order, scale_log2, num_splits,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_G=max(16, _pow2(group)),
         BLOCK_N=cfg.block_n, WRITE_OUT=num_splits == 1, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_fp8_flags(k_cache, head_dim, q),
+        **_fp8_flags(k_cache, head_dim, q), LONGEST_FIRST=order is not None,
     )
     if num_splits > 1:
         _reduce_kernel[(num_rows, num_q_heads)](

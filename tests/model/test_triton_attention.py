@@ -178,6 +178,20 @@ def test_decode_split_counts_agree(triton_device):
         check_close(case.triton(num_splits=splits), expected, torch.float32, f"{splits} splits")
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_longest_first_is_only_another_order(triton_device, splits):
+    """Decode programs started longest row first compute what batch order computes, to the
+    bit: in a decode-only batch and in a mixed one (prefill rows and padding rows sort among
+    the decode rows)."""
+    for rows in ([(1, 40), (1, 300), (1, 3), (1, 170), (1, 300), (1, 1)],
+                 [(1, 90), (24, 60), (1, 5), (0, 0), (1, 400)]):
+        case = Case(rows, 4, 2, 64, 16, triton_device)
+        plain = case.triton(num_splits=splits, prefill_config=SMALL)
+        ordered = case.triton(num_splits=splits, prefill_config=SMALL, longest_first=True)
+        assert torch.equal(plain, ordered), rows
+        check_close(ordered, case.reference(), torch.float32)
+
+
 def test_strided_q_from_fused_qkv(triton_device):
     hq, hkv, d = 4, 2, 64
     case = Case([(9, 25), (1, 30), (12, 12)], hq, hkv, d, 16, triton_device)
@@ -333,11 +347,12 @@ def test_gpu_store_kv_exact():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("longest_first", [False, True])
 @pytest.mark.parametrize("graph_rows,max_context", [(8, 4096), (128, 2048)])
-def test_gpu_decode_cuda_graph_replay(graph_rows, max_context):
+def test_gpu_decode_cuda_graph_replay(graph_rows, max_context, longest_first):
     """Capture store_kv + decode attention once for a padded batch, then replay with new
     contexts, block tables and slots copied into the static inputs; every slot past the
-    new contexts NaN."""
+    new contexts NaN. Longest first, the captured sort must order each replay's rows."""
     hq, hkv, d, bs = 16, 8, 128, 16
     dtype, dev = torch.bfloat16, "cuda"
     width = max_context // bs
@@ -359,7 +374,8 @@ def test_gpu_decode_cuda_graph_replay(graph_rows, max_context):
 
     def step():
         tb.store_kv(static["k"], static["v"], k_cache, v_cache, static["slots"])
-        return tb.paged_attention(static["q"], k_cache, v_cache, meta, scale)
+        return tb.paged_attention(static["q"], k_cache, v_cache, meta, scale,
+                                  longest_first=longest_first)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
