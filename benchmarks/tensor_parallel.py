@@ -3,6 +3,7 @@
     python -m benchmarks.tensor_parallel                 # Qwen3-8B's shape, TP 1 and 2 (GPUs)
     python -m benchmarks.tensor_parallel --shape 0.6b --tp 1 2
     python -m benchmarks.tensor_parallel --quick         # CPU smoke test: tiny model, gloo
+    python -m benchmarks.tensor_parallel --all-reduce nccl symm_mem   # TP>1 with each
 
 Each engine runs with its defaults (plus max_model_len 4096, as the seed's bench.py) in a
 child process of its own, one after the other, on random bf16 weights written once:
@@ -36,6 +37,8 @@ def child(args: argparse.Namespace) -> dict:
 
     quick = args.quick
     opts = dict(max_model_len=4096 if not quick else 512, tensor_parallel_size=args.child)
+    if args.child > 1:
+        opts.update(all_reduce=args.all_reduce[0])
     if quick:
         opts.update(device="cpu", num_kv_blocks=512)
     if args.max_num_seqs:
@@ -72,7 +75,8 @@ def child(args: argparse.Namespace) -> dict:
     greedy = llm.generate(prompts[:8], SamplingParams(temperature=0, ignore_eos=True,
                                                       max_tokens=32), use_tqdm=False)
     result = {
-        "tp": args.child, "load_s": load_s, "elapsed_s": elapsed, "output_tokens": tokens,
+        "tp": args.child, "all_reduce": opts.get("all_reduce", "-"), "load_s": load_s,
+        "elapsed_s": elapsed, "output_tokens": tokens,
         "throughput": tokens / elapsed, "batch1_token_ms": per_token * 1e3,
         "batch1_tokens_timed": len(stamps), "engine": engine.config.summary(),
         "greedy": [o.token_ids for o in greedy],
@@ -91,6 +95,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=None, help="(default: the engine's)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="(default: the engine's)")
+    ap.add_argument("--all-reduce", nargs="+", default=["nccl"], choices=["nccl", "symm_mem"],
+                    help="run each TP>1 size with each of these all-reduces")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -103,11 +109,12 @@ def main() -> None:
     model_dir = Path(args.model_dir or Path(tempfile.gettempdir()) / f"nanovllm-{shape}")
     model, _ = build_random_model(cfg, model_dir)
     results = []
-    for tp in args.tp:
+    runs = [(tp, ar) for tp in args.tp for ar in (args.all_reduce if tp > 1 else ["nccl"])]
+    for tp, all_reduce in runs:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, "-m", "benchmarks.tensor_parallel", "--child", str(tp),
-                   "--model", str(model), "--result", f.name] + (["--quick"] if args.quick
-                                                                  else [])
+                   "--model", str(model), "--result", f.name, "--all-reduce", all_reduce]
+            cmd += ["--quick"] if args.quick else []
             for flag in ("max_num_seqs", "max_num_batched_tokens"):
                 if getattr(args, flag):
                     cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
@@ -115,17 +122,17 @@ def main() -> None:
             results.append(json.loads(Path(f.name).read_text()))
     base = results[0]
     print(f"\nshape {shape}; {base['output_tokens']} output tokens per run")
-    print(f"{'TP':>3} {'tok/s':>10} {'x TP1':>7} {'batch-1 ms/token':>17} {'TP1 / this':>10} "
-          f"{'greedy = TP1':>13} {'load s':>7}")
+    print(f"{'TP':>3} {'all-reduce':>10} {'tok/s':>10} {'x TP1':>7} {'batch-1 ms/token':>17} "
+          f"{'TP1 / this':>10} {'greedy = TP1':>13} {'load s':>7}")
     for r in results:
         same = sum(a == b for a, b in zip(r["greedy"], base["greedy"]))
         ratio = r["throughput"] / base["throughput"]
         faster = base["batch1_token_ms"] / r["batch1_token_ms"]
-        print(f"{r['tp']:>3} {r['throughput']:>10,.0f} {ratio:>6.2f}x "
+        print(f"{r['tp']:>3} {r['all_reduce']:>10} {r['throughput']:>10,.0f} {ratio:>6.2f}x "
               f"{r['batch1_token_ms']:>17.2f} {faster:>9.2f}x "
               f"{same:>9}/{len(r['greedy'])} {r['load_s']:>7.1f}")
     for r in results:
-        print(f"TP={r['tp']}: {r['engine']}")
+        print(f"TP={r['tp']} ({r['all_reduce']}): {r['engine']}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

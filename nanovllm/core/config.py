@@ -8,6 +8,7 @@ from nanovllm.core.errors import ConfigError
 
 POLICIES = ("fair", "prefill_first")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+ALL_REDUCES = ("nccl", "symm_mem")
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,10 @@ class EngineConfig:
     # shard the model over this many ranks (GPUs, or CPU processes), one process each; rank
     # 0 is the engine's own process (worker/tensor_parallel.py)
     tensor_parallel_size: int = 1
+    # the all-reduce of tensor parallelism on GPUs: nccl, or symm_mem (one kernel that sums
+    # every rank's copy over peer memory, torch.distributed's symmetric memory, for tensors
+    # up to 8 MiB; larger ones go to NCCL). Off until benchmarks/tensor_parallel.py measures it
+    all_reduce: str = "nccl"
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":
@@ -103,6 +108,8 @@ class EngineConfig:
             bad("max_num_batched_tokens", "use an integer >= 1")
         if self.tensor_parallel_size < 1:
             bad("tensor_parallel_size", "use an integer >= 1 (1: one device, no sharding)")
+        if self.all_reduce not in ALL_REDUCES:
+            bad("all_reduce", f"choose one of {', '.join(ALL_REDUCES)}")
         if self.admission_batch is not None and not 1 <= self.admission_batch <= (
                 self.max_num_seqs or self.admission_batch):
             bad("admission_batch", f"use an integer in [1, max_num_seqs={self.max_num_seqs}]")
@@ -190,6 +197,7 @@ class ResolvedConfig:
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8"
     kv_cache_scales: str = "token"  # fp8: "token" | "tensor"
     mixed_graphs: bool = False  # prefill+decode steps replay CUDA graphs too
+    all_reduce: str = "nccl"  # tensor parallelism on GPUs: "nccl" | "symm_mem"
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -215,6 +223,7 @@ class ResolvedConfig:
             f"(swap {self.swap_space:g} GiB, offload {self.cpu_offload_gib:g} GiB, "
             f"preemption={self.preemption_mode})"
             + (f" tensor_parallel={self.tensor_parallel_size}"
+               + (f" (all-reduce {self.all_reduce})" if self.device == "cuda" else "")
                if self.tensor_parallel_size > 1 else "")
         )
 

@@ -42,9 +42,10 @@ def resolve_config(
     if admission > max_num_seqs:
         raise ConfigError(f"admission_batch={admission} is invalid: use an integer in "
                           f"[1, max_num_seqs={max_num_seqs}]")
+    dtype = _dtype(config.dtype, model.dtype, device)
     return ResolvedConfig(
         device=device,
-        dtype=_dtype(config.dtype, model.dtype, device),
+        dtype=dtype,
         max_model_len=config.max_model_len or context,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -72,6 +73,7 @@ def resolve_config(
         kv_cache_dtype=config.kv_cache_dtype,
         kv_cache_scales=config.kv_cache_scales,
         mixed_graphs=_mixed_graphs(config, graphs, attention),
+        all_reduce=_all_reduce(config, device, dtype),
     )
 
 
@@ -195,6 +197,21 @@ def _step_limits(config: EngineConfig, cuda: bool) -> tuple[int, int]:
     if given_tokens is not None:
         return min(seqs, given_tokens), given_tokens
     return seqs, tokens
+
+
+def _all_reduce(config: EngineConfig, device: str, dtype: str) -> str:
+    if config.all_reduce != "symm_mem":
+        return config.all_reduce
+    if device != "cuda" or config.tensor_parallel_size < 2:
+        raise ConfigError(
+            "all_reduce='symm_mem' sums over GPU peer memory: it needs tensor_parallel_size "
+            f">= 2 on CUDA GPUs (here {config.tensor_parallel_size} on {device}); "
+            "use all_reduce='nccl'"
+        )
+    if dtype not in ("bfloat16", "float32"):
+        raise ConfigError(f"all_reduce='symm_mem' sums bfloat16 or float32, not {dtype}; "
+                          "use all_reduce='nccl' or another dtype")
+    return config.all_reduce
 
 
 def _tensor_parallel(size: int, device: str, model: ModelConfig) -> int:

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.core.errors import ConfigError
-from nanovllm.model.parallel import TensorParallel
 from nanovllm.worker.messages import (
     CONTROL,
     HEADER_LEN,
@@ -23,7 +22,14 @@ from nanovllm.worker.messages import (
     WorkerInit,
     step_header_len,
 )
-from nanovllm.worker.tp_group import Rendezvous, join, leave_group, main_group, smallest
+from nanovllm.worker.tp_group import (
+    Rendezvous,
+    join,
+    leave_group,
+    main_group,
+    model_parallel,
+    smallest,
+)
 
 log = logging.getLogger("nanovllm")
 
@@ -76,7 +82,7 @@ def run_worker(rdv: Rendezvous | None = None) -> int:
             dist.broadcast_object_list(box, 0)
             match box[0]:
                 case WorkerInit(model=path, config=config, eos_token_ids=eos):
-                    tp = TensorParallel(rdv.rank, rdv.world_size,
+                    tp = model_parallel(config, rdv.rank, rdv.world_size,
                                         main_group(config, rdv.local_rank))
                     source = open_model(path)
                     runner = ModelRunner(config, source, ModelConfig.from_hf(source.hf_config),

@@ -118,6 +118,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     opt("tensor_parallel_size", "--tensor-parallel-size", "-tp", type=int, metavar="N",
         help="shard the model over N ranks, one process each: GPUs, or CPU processes; under "
         "torchrun or Slurm (WORLD_SIZE set) the other ranks run `nanovllm worker`")
+    opt("all_reduce", choices=["nccl", "symm_mem"],
+        help="GPU tensor parallelism's all-reduce: nccl, or symm_mem (one kernel over peer "
+        "memory, torch's symmetric memory, for tensors up to 8 MiB) (default: nccl)")
     opt("enforce_eager", help="GPU: no CUDA graphs")
     opt("mixed_graphs", help="GPU: CUDA graphs for prefill+decode steps of up to 2,048 "
         "tokens too (needs the Triton attention)")
