@@ -2,7 +2,8 @@
 
     python -m benchmarks.attention            # main table, then tile / split sweeps
     python -m benchmarks.attention --quick    # main table only
-    python -m benchmarks.attention --fp8      # bf16 against fp8 caches, and fp8 tile sweep
+    python -m benchmarks.attention --fp8      # bf16 against fp8 caches (V transposed as the
+                                              # engine stores it, and in rows), fp8 tile sweep
     python -m benchmarks.attention --ragged   # ragged decode against the copy bandwidth
 
 Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf16).
@@ -65,11 +66,14 @@ class Batch:
         self.scale = D**-0.5
         self.kv_bytes = sum(clens) * HKV * D * 2 * DTYPE.itemsize
         if kv != "bf16":  # "fp8-token" / "fp8-tensor": the cache's bytes (worker/kv_cache.py)
-            width = ta.fp8_width(D, kv == "fp8-token")
+            width = ta.fp8_width(D, kv.startswith("fp8-token"))
             self.k_cache, self.v_cache = (
                 ta.quantize_fp8(c.view(-1, HKV, D), width).view(*shape[:3], width)
                 for c in (self.k_cache, self.v_cache))
             self.kv_bytes = sum(clens) * HKV * width * 2
+            if not kv.endswith("-rows"):  # V stored transposed in each block, as the engine's
+                self.v_cache = (self.v_cache.permute(0, 2, 3, 1).contiguous()
+                                .permute(0, 3, 1, 2))
         pairs = sum(sum(range(c - q + 1, c + 1)) for q, c in rows)
         self.flops = 4 * HQ * D * pairs
         self._expected = None
@@ -279,7 +283,8 @@ def fp8_table(table: Table) -> None:
              ("mixed 1x512 prefill + 255 decode ~1100", [(512, 512)]
               + decode_rows(255, 1000, 1200), 256)]
     for case, rows, bs in cases:
-        for kv in ("bf16", "fp8-token", "fp8-tensor"):
+        # "-rows": V in rows of positions, as before the engine stored an fp8 V transposed
+        for kv in ("bf16", "fp8-token", "fp8-tensor", "fp8-token-rows", "fp8-tensor-rows"):
             if batch := make_batch(table, f"{case} {kv}", rows, bs, kv):
                 run_triton(table, f"{case} {kv}", "triton", batch,
                            graph=rows[0][0] == 1)

@@ -3,7 +3,9 @@
 A cache of bytes (uint8) holds float8 e4m3 values (kv_cache_dtype="fp8", worker/kv_cache.py
 KVFormat): its last dimension is head_dim (one static scale of 1) or `fp8_width` (the
 token-head's float32 scale after its values, padded to 16 bytes). K/V are quantized as they
-are stored and dequantized as a row's context is read, to the query's dtype.
+are stored and dequantized as a row's context is read, to the query's dtype. An fp8 V cache
+may be stored transposed within each block (`v_transposed`; worker/kv_cache.py): the same
+logical view, its rows gathered and written through it here.
 """
 
 import torch
@@ -25,12 +27,14 @@ def fp8_width(head_dim: int, scaled: bool) -> int:
 
 def quantize_fp8(x: torch.Tensor, width: int) -> torch.Tensor:
     """[T, H, D] -> the cache's bytes [T, H, width]: float8 values, then (width > D) each
-    token-head's float32 scale amax / 448, so its largest value maps to 448, and zero padding."""
+    token-head's float32 scale amax / 448, so its largest value maps to 448, and zero padding.
+    NaN is stored as 0 and infinities as the largest float32s, so every byte is finite."""
     dim = x.shape[-1]
+    x = torch.nan_to_num(x.float())  # the cache holds finite bytes only (NaN -> 0)
     if width == dim:
-        return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
-    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-    values = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+        return x.clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    values = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
     pad = values.new_zeros(*values.shape[:-1], width - dim - 4)
     return torch.cat([values, scale.view(torch.uint8), pad], -1)
 
@@ -47,6 +51,29 @@ def _read(raw: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_fp8(raw, dim, dtype) if raw.dtype == torch.uint8 else raw
 
 
+def v_transposed(cache: torch.Tensor) -> bool:
+    """Whether a cache is stored transposed within each block (an fp8 V cache, see
+    worker/kv_cache.py): its [blocks, block_size, Hkv, width] view then has unit stride over
+    the block's slots, which no row-major cache has."""
+    return cache.dim() == 4 and cache.stride(1) == 1 and cache.shape[1] > 1
+
+
+def _rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The cache's [len(slots), Hkv, width] rows at `slots`."""
+    if cache.is_contiguous():
+        return cache.view(-1, *cache.shape[2:]).index_select(0, slots)
+    block_size = cache.shape[1]
+    return cache[slots // block_size, slots % block_size]
+
+
+def _write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    if cache.is_contiguous():
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
+    else:
+        block_size = cache.shape[1]
+        cache[slots // block_size, slots % block_size] = rows
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -56,14 +83,14 @@ def store_kv(
 ) -> None:
     """Write each token's K/V ([T, Hkv, D]) into its cache slot (quantized for an fp8
     cache)."""
-    num_kv_heads, width = k.shape[1], k_cache.shape[-1]
+    width = k_cache.shape[-1]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
     if k_cache.dtype == torch.uint8:
         k, v = quantize_fp8(k, width), quantize_fp8(v, width)
-    k_cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, v)
+    _write_rows(k_cache, slot_mapping, k)
+    _write_rows(v_cache, slot_mapping, v)
 
 
 def paged_attention(
@@ -101,10 +128,8 @@ def _context(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetada
              q: torch.Tensor):
     """Row i's cached K and V ([L, Hkv, D]), in context order, in q's dtype."""
     slots = _context_slots(meta, i, k_cache.shape[1])
-    heads, width = k_cache.shape[2], k_cache.shape[3]
     dim = q.shape[-1]
-    return (_read(k_cache.view(-1, heads, width).index_select(0, slots), dim, q.dtype),
-            _read(v_cache.view(-1, heads, width).index_select(0, slots), dim, q.dtype))
+    return (_read(_rows(k_cache, slots), dim, q.dtype), _read(_rows(v_cache, slots), dim, q.dtype))
 
 
 def _context_slots(meta: AttentionMetadata, i: int, block_size: int) -> torch.Tensor:

@@ -34,7 +34,13 @@ context lengths: splits past a row's context are empty and weigh nothing in the 
 Padding rows (context_len 0, query_len 0 or 1, slot -1) produce zeros in their own output
 row, or nothing if their query_len is 0, never NaN, and touch no cache slot.
 
-Why one file of ~540 lines: the decode and prefill kernels share the tile loader and the
+An fp8 cache: K rows of e4m3 bytes (with each token-head's scale) and V stored transposed
+within each block (worker/kv_cache.py), so that both tiles reach the tensor cores from one
+trip through shared memory, as bytes, converted to float16 in registers
+(`_load_block_tile`); a row-major V (blocks of under 16 tokens) takes
+`_load_kv_tile`'s PTX conversion.
+
+Why one file of ~700 lines: the decode and prefill kernels share the tile loaders and the
 online-softmax step (`_load_kv_tile`, `_softmax_step`), and the launch contract above binds
 all of them; apart, each would restate it.
 """
@@ -47,6 +53,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
+from nanovllm.kernels.torch_attention import v_transposed
 
 # the backend's other entry point, and the cache-format flags both files launch with
 from nanovllm.kernels.triton_kv_store import _fp8_flags, store_kv  # noqa: F401
@@ -218,6 +225,94 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _tile_block(cache_ptr, bt_row_ptr, start, kv_head, stride_b, stride_s, stride_h,
+                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # where the tile of positions start .. start + BLOCK_N - 1 begins in its one block
+    # (BLOCK_N divides BLOCK_SIZE, start a multiple of BLOCK_N): a single table entry
+    blk = tl.load(bt_row_ptr + start // BLOCK_SIZE)
+    # said outright: a loop's induction variable carries no divisibility for the compiler
+    first = tl.multiple_of(start % BLOCK_SIZE, BLOCK_N)
+    return cache_ptr + blk.to(tl.int64) * stride_b + kv_head * stride_h + first * stride_s
+
+
+@triton.jit
+def _load_block_tile(
+    cache_ptr, bt_row_ptr, start, offs_n, valid, kv_head, offs_d,
+    stride_b, stride_s, stride_h, stride_d,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+    SCALED: tl.constexpr, COMPUTE: tl.constexpr, V_T: tl.constexpr,
+):
+    # -> (tile in COMPUTE, scale [N]) of an fp8 cache whose tile of positions
+    # start .. start + N - 1 lies in one block: K^T [D, N] from K's rows of positions, or,
+    # V_T, V [N, D] from a V cache stored transposed within each block (worker/kv_cache.py),
+    # a head's block [width, BLOCK_SIZE] bytes with positions contiguous. Either way the
+    # tile is contiguous along the dimension its dot contracts (D for q @ K^T, positions for
+    # P @ V), so its bytes cross shared memory once and are converted in registers; and one
+    # table entry gives the block, so the addresses are affine and load as 16-byte vectors.
+    # Positions past the context are in that block too: they load unmasked (a mask per
+    # position would split V's vectors) and weigh nothing (scores masked, probabilities 0,
+    # scales 0). That needs their bytes finite (0 * NaN is NaN): the cache starts zeroed
+    # and the store writes no NaN (triton_kv_store.py). Zeroing them here instead, any
+    # select on the tile, sends it through shared memory a second time (seen in the PTX).
+    base = _tile_block(cache_ptr, bt_row_ptr, start, kv_head, stride_b, stride_s, stride_h,
+                       BLOCK_SIZE, offs_n.shape[0]) + offs_n * stride_s
+    if V_T:
+        ptrs = base[None, :] + offs_d[:, None] * stride_d
+        dim_ok = offs_d[:, None] < HEAD_DIM
+    else:
+        ptrs = base[:, None] + offs_d[None, :] * stride_d
+        dim_ok = offs_d[None, :] < HEAD_DIM
+    if HEAD_DIM == offs_d.shape[0]:
+        raw = tl.load(ptrs)
+    else:
+        raw = tl.load(ptrs, mask=dim_ok, other=0)
+    tile = tl.trans(raw.to(tl.float8e4nv, bitcast=True).to(COMPUTE))
+    if SCALED:
+        if V_T:  # each position's float32 scale: its 4 bytes in rows HEAD_DIM .. + 3
+            bits = tl.load(base + HEAD_DIM * stride_d).to(tl.int32)
+            for j in tl.static_range(1, 4):
+                bits = bits | (tl.load(base + (HEAD_DIM + j) * stride_d).to(tl.int32)
+                               << (8 * j))
+            scale = bits.to(tl.float32, bitcast=True)
+        else:  # after the position's values
+            scale = tl.load((base + HEAD_DIM * stride_d).to(tl.pointer_type(tl.float32)))
+        if MASKED:
+            scale = tl.where(valid, scale, 0.0)
+    else:
+        scale = offs_n.to(tl.float32)
+    return tile, scale
+
+
+@triton.jit
+def _load_tiles(
+    k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, kv_head, offs_d,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr, COMPUTE: tl.constexpr,
+    Q_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr, V_T: tl.constexpr,
+):
+    # -> (K^T [D, N], its scales, V [N, D], its scales) of the tile of positions start + offs_n
+    if V_T:  # an fp8 cache, V transposed: each tile in one block (see _load_block_tile)
+        k, k_scale = _load_block_tile(k_cache_ptr, bt_row, start, offs_n, valid, kv_head,
+                                      offs_d, stride_kb, stride_ks, stride_kh, stride_kd,
+                                      BLOCK_SIZE, HEAD_DIM, MASKED, SCALED, COMPUTE, False)
+        v, v_scale = _load_block_tile(v_cache_ptr, bt_row, start, offs_n, valid, kv_head,
+                                      offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
+                                      BLOCK_SIZE, HEAD_DIM, MASKED, SCALED, COMPUTE, True)
+    else:
+        pos = start + offs_n
+        k, k_scale = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
+                                   stride_kb, stride_ks, stride_kh, stride_kd,
+                                   BLOCK_SIZE, HEAD_DIM, BLOCK_D, MASKED, True,
+                                   FP8, SCALED, Q_DTYPE, FP8_ASM)
+        v, v_scale = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
+                                   stride_vb, stride_vs, stride_vh, stride_vd,
+                                   BLOCK_SIZE, HEAD_DIM, BLOCK_D, MASKED, False,
+                                   FP8, SCALED, Q_DTYPE, FP8_ASM)
+    return k, k_scale, v, v_scale
+
+
+@triton.jit
 def _to_f16(x):
     return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
@@ -261,7 +356,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, WRITE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
-    LONGEST_FIRST: tl.constexpr = False,
+    LONGEST_FIRST: tl.constexpr = False, V_T: tl.constexpr = False,
 ):
     # num_splits is a runtime int (one compiled kernel serves every split count);
     # WRITE_OUT (num_splits == 1) writes the normalized output directly, skipping the reduce
@@ -307,14 +402,11 @@ def _decode_kernel(
     for tile in range(tile_lo, tile_hi):
         pos = tile * BLOCK_N + offs_n
         valid = pos < ctx
-        k, k_scale = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
-                          stride_kb, stride_ks, stride_kh, stride_kd,
-                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, True,
-                          FP8, SCALED, q_ptr.dtype.element_ty, FP8_ASM)
-        v, v_scale = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
-                          stride_vb, stride_vs, stride_vh, stride_vd,
-                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, False,
-                          FP8, SCALED, q_ptr.dtype.element_ty, FP8_ASM)
+        k, k_scale, v, v_scale = _load_tiles(
+            k_cache_ptr, v_cache_ptr, bt_row, tile * BLOCK_N, offs_n, valid, kv_head, offs_d,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
+            q_ptr.dtype.element_ty, FP8_ASM, V_T)
         acc, m_i, l_i = _softmax_step(q.to(k.dtype), k, v, k_scale, v_scale, acc, m_i, l_i,
                                       valid[None, :], scale_log2, True, SCALED, DOT_PRECISION)
 
@@ -378,6 +470,7 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
+    V_T: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -430,28 +523,22 @@ def _prefill_kernel(
         q = q.to(k_cache_ptr.dtype.element_ty)
     for start in range(0, full_end, BLOCK_N):
         pos = start + offs_n
-        k, k_scale = _load_kv_tile(k_cache_ptr, bt_row, pos, pos < kv_end, kv_head, offs_d,
-                          stride_kb, stride_ks, stride_kh, stride_kd,
-                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, True,
-                          FP8, SCALED, q_ptr.dtype.element_ty, FP8_ASM)
-        v, v_scale = _load_kv_tile(v_cache_ptr, bt_row, pos, pos < kv_end, kv_head, offs_d,
-                          stride_vb, stride_vs, stride_vh, stride_vd,
-                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, False,
-                          FP8, SCALED, q_ptr.dtype.element_ty, FP8_ASM)
+        k, k_scale, v, v_scale = _load_tiles(
+            k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, pos < kv_end, kv_head, offs_d,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, FP8, SCALED, q.dtype,
+            q_ptr.dtype.element_ty, FP8_ASM, V_T)
         acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
                                       scale_log2, False, SCALED, DOT_PRECISION)
     # diagonal tiles: causal mask, and the context end (kv_end <= ctx) for the last one
     for start in range(full_end, kv_end, BLOCK_N):
         pos = start + offs_n
         valid = pos < kv_end
-        k, k_scale = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
-                          stride_kb, stride_ks, stride_kh, stride_kd,
-                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, True,
-                          FP8, SCALED, q_ptr.dtype.element_ty, FP8_ASM)
-        v, v_scale = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
-                          stride_vb, stride_vs, stride_vh, stride_vd,
-                          BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, False,
-                          FP8, SCALED, q_ptr.dtype.element_ty, FP8_ASM)
+        k, k_scale, v, v_scale = _load_tiles(
+            k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, kv_head, offs_d,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
+            q_ptr.dtype.element_ty, FP8_ASM, V_T)
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed,
                                       scale_log2, True, SCALED, DOT_PRECISION)
@@ -513,18 +600,24 @@ def paged_attention(
         raise ValueError(f"block_m={cfg.block_m} must be >= 16 and a multiple of {block_g}")
     block_q = cfg.block_m // block_g
     grid = (num_tokens // block_q + num_rows, num_kv_heads)
+    v_t = v_transposed(v_cache)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out,
         meta.query_start_loc, meta.context_lens, meta.block_tables, scale_log2, num_rows,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         meta.block_tables.stride(0),
         GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim),
-        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=cfg.block_n,
+        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=_block_n(cfg, k_cache, v_t),
         SKIP_DECODE=has_decode_rows, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_fp8_flags(k_cache, head_dim, q),
+        **_fp8_flags(k_cache, head_dim, q), V_T=v_t,
     )
     return out
+
+
+def _block_n(cfg: TileConfig, k_cache: torch.Tensor, v_t: bool) -> int:
+    # a transposed V cache's tiles must each lie in one block (see _load_block_tile)
+    return min(cfg.block_n, k_cache.shape[1]) if v_t else cfg.block_n
 
 
 def _longest_first(meta: AttentionMetadata) -> torch.Tensor:
@@ -556,15 +649,17 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
     # run alone at the end; longest first, the last to start are the shortest (LPT order).
     grid = ((num_rows, num_kv_heads, num_splits) if order is None
             else (num_kv_heads * num_splits, num_rows))
+    v_t = v_transposed(v_cache)
     _decode_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse, qsl, ctx, bt,
         ctx if order is None else order, scale_log2, num_splits,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_G=max(16, _pow2(group)),
-        BLOCK_N=cfg.block_n, WRITE_OUT=num_splits == 1, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_fp8_flags(k_cache, head_dim, q), LONGEST_FIRST=order is not None,
+        BLOCK_N=_block_n(cfg, k_cache, v_t), WRITE_OUT=num_splits == 1,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **_fp8_flags(k_cache, head_dim, q),
+        LONGEST_FIRST=order is not None, V_T=v_t,
     )
     if num_splits > 1:
         _reduce_kernel[(num_rows, num_q_heads)](

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.torch_attention import v_transposed
+
 FP8_MAX = tl.constexpr(448.0)  # the largest float8 e4m3 value
 
 
@@ -20,6 +22,7 @@ def _store_kv_kernel(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
+    V_T: tl.constexpr = False,
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -41,9 +44,9 @@ def _store_kv_kernel(
     if FP8:
         head_mask = offs_h < tl.where(slot >= 0, NUM_HEADS, 0)
         _store_fp8(kc, k, mask, head_mask, offs_h, offs_d, stride_kch, stride_kcd,
-                   HEAD_DIM, SCALED)
+                   HEAD_DIM, SCALED, False)
         _store_fp8(vc, v, mask, head_mask, offs_h, offs_d, stride_vch, stride_vcd,
-                   HEAD_DIM, SCALED)
+                   HEAD_DIM, SCALED, V_T)
     else:
         tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
                  k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -53,16 +56,28 @@ def _store_kv_kernel(
 
 @triton.jit
 def _store_fp8(cache, x, mask, head_mask, offs_h, offs_d, stride_h, stride_d,
-               HEAD_DIM: tl.constexpr, SCALED: tl.constexpr):
+               HEAD_DIM: tl.constexpr, SCALED: tl.constexpr, PLANES: tl.constexpr):
     # the torch reference's quantize_fp8: float8 e4m3 bytes, then (SCALED) each head's
-    # float32 scale amax / 448 in the 4 bytes after its values
+    # float32 scale amax / 448 in the 4 bytes after its values. In a cache stored
+    # transposed (PLANES: an fp8 V cache, worker/kv_cache.py) those 4 bytes are stride_d
+    # apart, each in its own row of the block
+    # NaN stored as 0, +-inf as +-float32 max, as the reference does: the cache holds finite
+    # bytes only, which the attention of a V cache stored transposed relies on
     x = x.to(tl.float32)
+    x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -3.4028234663852886e38),
+                   3.4028234663852886e38)
     if SCALED:
         scale = tl.maximum(tl.max(tl.abs(tl.where(mask, x, 0.0)), 1), 1e-12) / FP8_MAX
         x = x / scale[:, None]
-        scale_ptr = (cache + offs_h * stride_h + HEAD_DIM * stride_d).to(
-            tl.pointer_type(tl.float32))
-        tl.store(scale_ptr, scale, mask=head_mask)
+        if PLANES:
+            bits = scale.to(tl.int32, bitcast=True)
+            for j in tl.static_range(4):
+                tl.store(cache + offs_h * stride_h + (HEAD_DIM + j) * stride_d,
+                         ((bits >> (8 * j)) & 0xFF).to(tl.uint8), mask=head_mask)
+        else:
+            scale_ptr = (cache + offs_h * stride_h + HEAD_DIM * stride_d).to(
+                tl.pointer_type(tl.float32))
+            tl.store(scale_ptr, scale, mask=head_mask)
     x = _round_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
     tl.store(cache + offs_h[:, None] * stride_h + offs_d[None, :] * stride_d,
              x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
@@ -101,6 +116,7 @@ def store_kv(
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), **_fp8_flags(k_cache, head_dim),
+        V_T=v_transposed(v_cache),
     )
 
 

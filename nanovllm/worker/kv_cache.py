@@ -27,6 +27,9 @@ from nanovllm.model.config import ModelConfig
 log = logging.getLogger("nanovllm")
 
 CPU_KV_CACHE_GIB = 2.0  # the CPU's default budget (kv_cache_gib overrides it)
+# an fp8 V cache transposed within each block (KVCache.bind); blocks of a power of 2 >= 16
+# tokens, so a KV tile of 16 or more positions lies in one block
+FP8_V_TRANSPOSED = True
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,9 @@ class KVCache:
         shape = (2, model.num_hidden_layers, num_blocks, block_size, model.num_key_value_heads,
                  fmt.width)
         self.num_blocks, self.block_size = num_blocks, block_size
+        # an fp8 V cache is stored transposed within each block (see bind)
+        self.v_transposed = (FP8_V_TRANSPOSED and dtype == torch.uint8 and block_size >= 16
+                             and block_size & (block_size - 1) == 0)
         if device.type == "cpu":
             # anonymous mmap pages are zeroed by the OS when first touched: no 2 GiB memset
             nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
@@ -116,10 +122,21 @@ class KVCache:
         return self.tensor.numel() * self.tensor.element_size() / 2**30
 
     def bind(self, model: nn.Module) -> None:
-        """Point each attention layer at its K and V views."""
+        """Point each attention layer at its K and V views ([blocks, block_size, Hkv, width]).
+
+        An fp8 V cache is stored transposed within each block: a head's block is [width,
+        block_size] bytes, a row per dimension, the block's positions contiguous (its view
+        has unit stride over slots). P @ V contracts over positions, and fp8 values laid out
+        the other way reach the tensor cores only one byte per load or through a second
+        trip through shared memory (kernels/triton_attention.py). The block keeps its bytes
+        and place, so the host tier copies it as any other."""
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache = self.tensor[0, i]
-            attn.v_cache = self.tensor[1, i]
+            v = self.tensor[1, i]
+            if self.v_transposed:
+                nb, bs, heads, width = v.shape
+                v = v.view(nb, heads, width, bs).permute(0, 3, 1, 2)
+            attn.v_cache = v
 
     @staticmethod
     def unbind(model: nn.Module) -> None:

@@ -8,7 +8,8 @@ Each kernel is launched by its real launcher (store_kv, paged_attention) on CPU 
 the jitted kernel swapped for a recorder; each recorded launch is then compiled with the
 signature Triton would give it on a GPU: pointers 16-byte aligned, integers equal to 1
 folded and those divisible by 16 marked so (unless the kernel says do_not_specialize).
-Prints one JSON object per compiled launch: kernel, case, the PTX's global loads by width.
+Prints one JSON object per compiled launch: kernel, case, the PTX's loads by kind and width,
+and its count of shared-memory stores.
 """
 
 import json
@@ -92,6 +93,8 @@ def record(kv_cache_dtype: str, scales: str) -> list:
     tokens = sum(q for q, _ in rows)
     blocks = sum(-(-c // BS) for _, c in rows) + 2
     cache = [torch.zeros(blocks, BS, HKV, fmt.width, dtype=fmt.dtype) for _ in range(2)]
+    if fmt.dtype == torch.uint8:  # an fp8 V cache is stored transposed (KVCache.bind)
+        cache[1] = cache[1].view(blocks, HKV, fmt.width, BS).permute(0, 3, 1, 2)
     q = torch.zeros(tokens, HQ, D, dtype=torch.bfloat16)
     kv = torch.zeros(tokens, HKV, D, dtype=torch.bfloat16)
     starts = [0]
@@ -143,6 +146,7 @@ def main() -> None:
             else:
                 ops = r"(?:ld\.global|ld\.shared|cp\.async\.c[ag])[.\w]*"
                 out["loads"] = Counter(re.findall(ops, ptx))
+                out["stores"] = len(re.findall(r"st\.shared[.\w]*", ptx))
             print(json.dumps(out), flush=True)
 
 

@@ -37,18 +37,58 @@ def to_fp8(cache: torch.Tensor, width: int) -> torch.Tensor:
     return raw.view(blocks, bs, heads, width)
 
 
+def fp8_case(case, scaled: bool, device: str):
+    """The case's batch, its caches as fp8 bytes, and its attention over them."""
+    _, rows, hq, hkv, d, bs, cfg, splits = case
+    c = Case(rows, hq, hkv, d, bs, device, seed=7)
+    width = ta.fp8_width(d, scaled)
+    k8, v8 = to_fp8(c.k_cache, width), to_fp8(c.v_cache, width)
+    attend = lambda k, v: tb.paged_attention(c.q, k, v, c.meta, c.scale, prefill_config=cfg,
+                                             num_splits=splits)
+    return c, k8, v8, attend
+
+
 @pytest.mark.parametrize("scaled", [True, False], ids=["token", "tensor"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_attention_over_fp8_matches_the_reference(triton_device, case, scaled):
-    _, rows, hq, hkv, d, bs, cfg, splits = case
-    c = Case(rows, hq, hkv, d, bs, triton_device, seed=7)
-    width = ta.fp8_width(d, scaled)
-    k8, v8 = to_fp8(c.k_cache, width), to_fp8(c.v_cache, width)
-    out = tb.paged_attention(c.q, k8, v8, c.meta, c.scale, prefill_config=cfg,
-                             num_splits=splits)
+    c, k8, v8, attend = fp8_case(case, scaled, triton_device)
     # the reference reads the same values, dequantized (NaN where unread)
+    d = c.q.shape[-1]
     kd, vd = (ta.dequantize_fp8(x, d, torch.float32) for x in (k8, v8))
-    check_close(out, reference(c.q, kd, vd, c.meta, c.scale), torch.float32, case[0])
+    check_close(attend(k8, v8), reference(c.q, kd, vd, c.meta, c.scale), torch.float32,
+                case[0])
+
+
+def transposed(cache: torch.Tensor) -> torch.Tensor:
+    """The same logical cache stored as an fp8 V cache is (worker/kv_cache.py): each block's
+    bytes [Hkv, width, block_size], seen as [blocks, block_size, Hkv, width]."""
+    view = cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    assert ta.v_transposed(view) and not ta.v_transposed(cache)
+    return view
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["token", "tensor"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_attention_over_a_transposed_v_cache(triton_device, case, scaled):
+    """V stored transposed within each block (positions contiguous, the scale's 4 bytes in
+    4 rows) gives the attention of the row-major cache: the tiles shrink to the block size
+    (the prefix-hit case's 32-position tiles over blocks of 32, the others' over 16)."""
+    c, k8, v8, attend = fp8_case(case, scaled, triton_device)
+    d = c.q.shape[-1]
+    want = attend(k8, v8)
+    # this layout's kernels read a tile's positions past the context (in the same block):
+    # they must weigh nothing, but may not be NaN (the store never writes one), so the
+    # unread slots hold the largest e4m3 value and a large scale instead
+    v8 = v8.clone()
+    values, scales = v8[..., :d], v8[..., d:d + 4]
+    unread = (values == NAN_BYTE).all(-1)
+    values[unread] = 0x7E
+    if scaled:
+        scales[unread] = torch.tensor([1e4]).view(torch.uint8).to(v8.device)
+    got = attend(k8, transposed(v8))
+    check_close(got, want.double().cpu(), torch.float32, case[0])
+    kd, vd = (ta.dequantize_fp8(x, d, torch.float32) for x in (k8, v8))
+    check_close(got, reference(c.q, kd, vd, c.meta, c.scale), torch.float32, case[0])
 
 
 @pytest.mark.parametrize("scaled", [True, False], ids=["token", "tensor"])
@@ -67,7 +107,15 @@ def test_store_kv_writes_the_reference_bytes(triton_device, scaled):
     want_k = torch.zeros(blocks, bs, heads, width, dtype=torch.uint8)
     want_v = torch.zeros_like(want_k)
     ta.store_kv(k, v, want_k, want_v, slots)
-    for got, want in ((got_k.cpu(), want_k), (got_v.cpu(), want_v)):
+    # and into a V cache stored transposed: the same logical bytes, in the reference's
+    # layout of one (torch's store writes through the view)
+    got_vt = transposed(torch.zeros_like(got_v))
+    tb.store_kv(k.to(triton_device), v.to(triton_device), torch.zeros_like(got_k), got_vt,
+                slots.to(triton_device))
+    want_vt = transposed(torch.zeros_like(want_v))
+    ta.store_kv(k, v, torch.zeros_like(want_k), want_vt, slots)
+    assert torch.equal(want_vt, want_v)
+    for got, want in ((got_k.cpu(), want_k), (got_v.cpu(), want_v), (got_vt.cpu(), want_vt)):
         if triton_device == "cpu":
             assert torch.equal(got, want)
         else:  # a GPU's division may round the last bit of a few quotients differently

@@ -33,9 +33,21 @@ def test_attention_kernels_compile_for_sm90_with_vector_loads():
     errors = [f"{r['kernel']} ({r['case']}): {r['error']}" for r in results if "error" in r]
     assert not errors, "\n".join(errors)
     for r in results:
+        # no byte loads; but the store, one token a program, may pass the 4 bytes of each
+        # head's scale through shared memory when it writes them as rows of a V cache
+        # stored transposed
         byte_loads = sum(n for op, n in r["loads"].items()
-                         if op.endswith((".b8", ".u8", ".s8")))
+                         if op.endswith((".b8", ".u8", ".s8"))
+                         and not (r["kernel"] == "_store_kv_kernel" and "shared" in op))
         assert byte_loads == 0, f"{r['kernel']} ({r['case']}) loads bytes: {r['loads']}"
         if r["kernel"] in ("_decode_kernel", "_prefill_kernel"):
             # the tiles are pipelined through shared memory with 16-byte async copies
             assert r["loads"].get("cp.async.cg.shared.global", 0) > 0, r
+        if r["kernel"] == "_decode_kernel" and r["case"] != "bf16":
+            # an fp8 decode tile crosses shared memory once, as bytes, and is converted in
+            # registers: as few shared stores as the bf16 kernel's (its query and output;
+            # converting in a blocked layout and re-laying out through shared memory, as a
+            # select on the tile makes the compiler do, stores 22)
+            bf16 = next(x for x in results if x["kernel"] == r["kernel"]
+                        and x["case"] == "bf16")
+            assert r["stores"] <= bf16["stores"], (r, bf16)
