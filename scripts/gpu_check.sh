@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh [offline.py args...]
 # ABLATE="--no-overlap,--enforce-eager" also runs the benchmark once per listed switch
 # (comma-separated offline.py flags; peer skipped) and PROFILE=1 runs profile_step.py.
-# SKIP_OFFLINE, SKIP_TESTS, SKIP_ATTN leave those parts out.
+# SKIP_OFFLINE, SKIP_TESTS, SKIP_ATTN leave those parts out; ATTN_ARGS="--fp8" (or --ragged,
+# --quick, --splits) picks the attention benchmark's part.
 # Logs go to $OUT (or ./gpu-out). Missing pure-Python packages travel as wheels in .whl/
 # (git-ignored: name `.whl` in the device tool's carry); the GPU image lacks only `gguf`:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -25,7 +26,9 @@ if [ -z "$SKIP_TESTS" ]; then
     ${TESTS:--m gpu tests/ --ignore=tests/server --ignore=tests/engine/test_kv_events.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [ -z "$SKIP_ATTN" ]; then
-  timeout "${ATTN_S:-90}" python3 -m benchmarks.attention 2>&1 | tee "$OUT/attention.log" | tail -20
+  # shellcheck disable=SC2086
+  timeout "${ATTN_S:-90}" python3 -m benchmarks.attention ${ATTN_ARGS:-} 2>&1 \
+    | tee "$OUT/attention.log" | tail -40
 fi
 IFS=, read -ra ablations <<< "${ABLATE:-}"
 for flags in "${ablations[@]}"; do
