@@ -29,7 +29,9 @@ with each side's run-to-run spread and how many runs of each that spread needs f
 change to stand out (serve_report.runs_to_resolve). With `--launch`, each rate also reports
 each server process's busy cores and CPU time per output token (front end, engine
 processes, tensor-parallel ranks; read from /proc): at saturation, a process near one whole
-core is the one the server is bound by, the client's share is reported as before.
+core is the one the server is bound by, the client's share is reported as before. Each rate
+also reports the engine steps it took, and those with prompt tokens (from /metrics; the
+offline runs report theirs): the same work in more, smaller steps is time offline saves.
 
 Workloads: `--dataset random` (default) sends `--input-len` random token ids to
 /v1/completions; `--dataset chat` sends seeded chat questions to /v1/chat/completions. Both
@@ -168,6 +170,33 @@ def report_server_cpu(before: dict, after: dict, run: dict) -> None:
     print("       server CPU: " + "; ".join(parts))
 
 
+def engine_steps(base_url: str, headers: dict) -> tuple[float, float] | None:
+    """(steps, steps with prompt tokens) the server's engines have run, from /metrics (all
+    replicas); None when it does not say."""
+    try:
+        text = httpx.get(base_url + "/metrics", headers=headers, timeout=30).text
+    except httpx.HTTPError:
+        return None
+    found = {"nanovllm:engine_steps_total": 0.0, "nanovllm:engine_prefill_steps_total": 0.0}
+    seen = False
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in found:
+            found[name] += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return tuple(found.values()) if seen else None
+
+
+def report_steps(before, after, run: dict) -> None:
+    """The engine steps a run took: with the offline run's, whether serving split the same
+    work into more (smaller) steps."""
+    if before is None or after is None:
+        return
+    run["engine_steps"], run["engine_prefill_steps"] = (a - b for a, b in zip(after, before))
+    print(f"       engine steps: {run['engine_steps']:.0f} "
+          f"({run['engine_prefill_steps']:.0f} with prompt tokens)")
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -196,11 +225,14 @@ def run_offline(
     ]
     warm = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=4)
     llm.generate([r.prompt for r in warm_reqs], warm, use_tqdm=False)  # as the server's
-    times = []
+    times, steps = [], []
+    engine = llm.engine
     for _ in range(runs):
         start = time.perf_counter()
+        steps0, prefill0 = engine.num_steps, engine.num_prefill_steps
         outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
         times.append(time.perf_counter() - start)
+        steps.append((engine.num_steps - steps0, engine.num_prefill_steps - prefill0))
         # each run computes every prompt (not an assert: `python -O` would skip the reset)
         if not llm.engine.block_manager.reset_prefix_cache():
             raise RuntimeError("KV blocks still in use after generate(); cannot reset the cache")
@@ -212,6 +244,7 @@ def run_offline(
         "output_tokens": tokens,
         "output_throughput": tokens / elapsed,
         "throughputs": [tokens / t for t in times],
+        "engine_steps": steps,  # (steps, steps with prompt tokens) per run
         "request_throughput": len(reqs) / elapsed,
     }
 
@@ -286,10 +319,12 @@ def main() -> None:
         runs = []
         for rate, rate_set in zip(rates, rate_reqs):
             before = process_cpu(proc.pid) if proc is not None else {}
+            steps = engine_steps(base_url, headers)
             runs.append(run_rate(args, base_url, model, rate_set, rate))
             print_table(runs[-1:])
             if before:
                 report_server_cpu(before, process_cpu(proc.pid), runs[-1])
+            report_steps(steps, engine_steps(base_url, headers), runs[-1])
     finally:
         if proc is not None:
             stop(proc)
@@ -297,7 +332,8 @@ def main() -> None:
     if args.offline:
         offline = run_offline(launch_args, warm_reqs, reqs, args.temperature, args.offline_runs)
         each = ", ".join(f"{t:.1f}" for t in offline["throughputs"])
-        print(f"offline LLM.generate: {each} output tok/s")
+        steps = ", ".join(f"{a} ({b} with prompt tokens)" for a, b in offline["engine_steps"])
+        print(f"offline LLM.generate: {each} output tok/s; engine steps {steps}")
     print()
     print_table(runs)
     report = {

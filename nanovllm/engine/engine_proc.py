@@ -264,6 +264,8 @@ class EngineLoop:
             generation_tokens=e.num_generated_tokens,
             finished=dict(self.finished),
             tokens_per_s=self._rate(),
+            num_steps=e.num_steps,
+            num_prefill_steps=e.num_prefill_steps,
         )
 
     def _rate(self) -> float:

@@ -100,6 +100,7 @@ class LLMEngine:
         self.num_decode_tokens = 0
         self.num_generated_tokens = 0  # sampled tokens, prefill's last token included
         self.num_steps = 0
+        self.num_prefill_steps = 0  # of those, steps that ran prompt tokens (alone or mixed)
         self.times = StepTimes()
         self.timing = self.times.totals
         self.trace: SchedulerTrace | None = None
@@ -252,6 +253,7 @@ class LLMEngine:
         self.num_decode_tokens += num_decode
         self.num_prefill_tokens += batch.num_tokens - num_decode
         self.num_steps += 1
+        self.num_prefill_steps += batch.num_tokens > num_decode
 
     def _resolve(self, handle: StepHandle) -> None:
         """A launched step's tokens: into their sequences, then into text and outputs."""

@@ -183,6 +183,8 @@ class EngineStats:
     generation_tokens: int
     finished: dict[str, int]  # completions ended, by finish reason
     tokens_per_s: float  # generated since the last status line
+    num_steps: int = 0  # engine steps run
+    num_prefill_steps: int = 0  # of those, steps with prompt tokens (prefill or mixed)
 
 
 @dataclass(frozen=True)

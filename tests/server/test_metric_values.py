@@ -1,6 +1,6 @@
 """/metrics values, not only names: exact counter deltas for known requests (prefix-cache
-hits of a repeated prompt, prompt and generation tokens), KV cache usage while a stream
-runs, and latency histograms bounded by what the client measured."""
+hits of a repeated prompt, prompt and generation tokens, engine steps), KV cache usage
+while a stream runs, and latency histograms bounded by what the client measured."""
 
 import asyncio
 import random
@@ -46,6 +46,10 @@ def test_prefix_cache_hits_grow_by_exactly_the_cached_tokens(server, model):
         assert _delta(after, before, "nanovllm:prefix_cache_queries") == len(prompt)
         assert _delta(after, before, "nanovllm:prompt_tokens") == len(prompt)
         assert _delta(after, before, "nanovllm:generation_tokens") == 3
+        # one step runs the prompt (its first chunk is the whole of it) and makes the first
+        # token, two decode steps the others
+        assert _delta(after, before, "nanovllm:engine_steps") == 3
+        assert _delta(after, before, "nanovllm:engine_prefill_steps") == 1
 
 
 def test_kv_cache_usage_while_a_stream_runs(server, client, model):

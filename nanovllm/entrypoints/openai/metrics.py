@@ -33,6 +33,9 @@ _COUNTERS = {  # prometheus_client appends _total
                   "Sequences preempted by swap (their blocks kept in host memory)."),
     "prompt_tokens": ("nanovllm:prompt_tokens", "Prompt tokens of admitted requests."),
     "generation_tokens": ("nanovllm:generation_tokens", "Tokens generated."),
+    "num_steps": ("nanovllm:engine_steps", "Engine steps run."),
+    "num_prefill_steps": ("nanovllm:engine_prefill_steps",
+                          "Engine steps that ran prompt tokens (prefill alone or mixed)."),
 }
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
