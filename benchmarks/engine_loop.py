@@ -42,7 +42,7 @@ def params(n: int, temperature: float) -> SamplingParams:
 
 
 def run_engine_proc(args, kwargs: dict, warm_reqs, reqs, stream: bool = True) -> float:
-    proc, conn = start_engine(EngineProcessConfig(args.model, EngineConfig(**kwargs), None))
+    proc, (conn,) = start_engine(EngineProcessConfig(args.model, EngineConfig(**kwargs), None))
     tok = Tokenizer.from_pretrained_dir(Path(args.model))
     try:
         ready = conn.recv()

@@ -50,6 +50,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -124,10 +125,13 @@ def launch(launch_args: list[str], log_path: Path, timeout: float) -> tuple[subp
     sys.exit(f"the server did not become healthy within {timeout:.0f} s; see {log_path}")
 
 
-def process_cpu(root: int) -> dict[int, tuple[str, float]]:
+def process_cpu(root: int, log_path: Path | None = None) -> dict[int, tuple[str, float]]:
     """CPU seconds (user + system) of the server's processes, read from /proc: the front end
-    (`root`) and every descendant (engine processes, tensor-parallel ranks), by pid, with a
-    name. Empty where /proc is missing."""
+    (`root`) and every descendant (other front ends, named in the server's log with
+    --api-server-count; engine processes; tensor-parallel ranks), by pid, with a name.
+    Empty where /proc is missing."""
+    log = log_path.read_text(errors="replace") if log_path is not None else ""
+    front_ends = {root, *map(int, re.findall(r"front end \d+: process (\d+)", log))}
     tick = os.sysconf("SC_CLK_TCK")
     parents: dict[int, int] = {}
     for entry in Path("/proc").glob("[0-9]*"):
@@ -150,7 +154,7 @@ def process_cpu(root: int) -> dict[int, tuple[str, float]]:
             continue
         if "resource_tracker" in cmd:
             continue
-        name = ("front end" if pid == root else "tensor-parallel rank" if " worker" in cmd
+        name = ("front end" if pid in front_ends else "tensor-parallel rank" if " worker" in cmd
                 else "engine process")
         out[pid] = (name, (int(fields[11]) + int(fields[12])) / tick)
     return out
@@ -318,12 +322,12 @@ def main() -> None:
         asyncio.run(warm_up(args, base_url, model, warm_reqs))
         runs = []
         for rate, rate_set in zip(rates, rate_reqs):
-            before = process_cpu(proc.pid) if proc is not None else {}
+            before = process_cpu(proc.pid, log) if proc is not None else {}
             steps = engine_steps(base_url, headers)
             runs.append(run_rate(args, base_url, model, rate_set, rate))
             print_table(runs[-1:])
             if before:
-                report_server_cpu(before, process_cpu(proc.pid), runs[-1])
+                report_server_cpu(before, process_cpu(proc.pid, log), runs[-1])
             report_steps(steps, engine_steps(base_url, headers), runs[-1])
     finally:
         if proc is not None:

@@ -18,6 +18,11 @@ tenth of its throughput, and the front end has a core to spare. What leaves is d
 token ids (and new text where decoded here), built by the engine's delta outputs without
 copying whole completions.
 
+With several front-end processes (`nanovllm serve --api-server-count`) the engine has a
+pipe to each, waits on all of them, and answers each request on the pipe it came from (an
+Outbox per pipe). A pipe that closes stops the engine: a front end is gone, the server is
+stopping or broken.
+
 The messages both ways are the dataclasses of messages.py.
 """
 
@@ -28,7 +33,7 @@ import os
 import signal
 import time
 from collections import deque
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 from nanovllm.core.errors import InvalidRequestError, NanoVLLMError
 from nanovllm.core.sequence import FinishReason
@@ -56,24 +61,29 @@ from nanovllm.engine.outputs import RequestOutput
 log = logging.getLogger("nanovllm.engine")
 
 
-def start_engine(config: EngineProcessConfig) -> tuple[multiprocessing.Process, Connection]:
-    """Spawn the engine process; returns it and the front end's end of the pipe. The first
-    message on the pipe is Ready or Fatal."""
+def start_engine(
+    config: EngineProcessConfig, num_front_ends: int = 1
+) -> tuple[multiprocessing.Process, list[Connection]]:
+    """Spawn the engine process; returns it and the front ends' ends of its pipes, one per
+    front-end process (`nanovllm serve --api-server-count`). The first message on each pipe
+    is Ready or Fatal."""
     ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=True)
+    pipes = [ctx.Pipe(duplex=True) for _ in range(num_front_ends)]
     proc = ctx.Process(
         target=run_engine_loop,
-        args=(child, config),
+        args=([child for _, child in pipes], config),
         name="nanovllm-engine",
         daemon=True,
     )
     proc.start()
-    child.close()
-    return proc, parent
+    for _, child in pipes:
+        child.close()
+    return proc, [parent for parent, _ in pipes]
 
 
-def run_engine_loop(conn: Connection, config: EngineProcessConfig) -> None:
-    """The engine process's main: load the model, report Ready (or Fatal), serve the pipe."""
+def run_engine_loop(conns: list[Connection], config: EngineProcessConfig) -> None:
+    """The engine process's main: load the model, report Ready (or Fatal) to every front
+    end, serve the pipes."""
     # a terminal's Ctrl-C reaches the whole process group: the front end stops this process
     # (Shutdown, or its pipe closing), so an interrupt here would only print a traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -85,10 +95,11 @@ def run_engine_loop(conn: Connection, config: EngineProcessConfig) -> None:
         engine = LLMEngine(config.model, config.engine)
     except Exception as e:  # a bad model path or config: the front end reports it
         log.exception("engine failed to start")
-        conn.send(Fatal(f"{type(e).__name__}: {e}"))
+        for conn in conns:
+            conn.send(Fatal(f"{type(e).__name__}: {e}"))
         return
-    loop = EngineLoop(engine, conn, config)
-    conn.send(Ready(EngineInfo(
+    loop = EngineLoop(engine, conns, config)
+    ready = Ready(EngineInfo(
         max_model_len=engine.max_model_len,
         vocab_size=engine.model_config.vocab_size,
         num_kv_blocks=engine.block_manager.num_blocks,
@@ -96,12 +107,14 @@ def run_engine_loop(conn: Connection, config: EngineProcessConfig) -> None:
         eos_token_ids=tuple(sorted(engine.eos_token_ids)),
         pid=os.getpid(),
         max_num_seqs=engine.config.max_num_seqs,
-    )))  # fmt: skip
+    ))  # fmt: skip
+    for conn in conns:
+        conn.send(ready)
     sampler = stack_sampler.from_env(".engine")  # NANOVLLM_SAMPLE_STACKS: where time goes
     try:
         loop.run()
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
-        pass  # the front end is gone: nothing left to serve
+        pass  # a front end is gone: the server is stopping or broken, nothing to serve
     finally:
         if sampler is not None:
             sampler.stop()
@@ -111,10 +124,11 @@ class EngineLoop:
     """Steps the engine while it has work, and between steps serves the front end's
     messages, request timeouts and the periodic status line."""
 
-    def __init__(self, engine, conn: Connection, config: EngineProcessConfig) -> None:
+    def __init__(self, engine, conns: list[Connection], config: EngineProcessConfig) -> None:
         self.engine = engine
-        self.conn = conn
-        self.outbox = Outbox(conn)
+        self.conns = conns
+        self.outboxes = [Outbox(c) for c in conns]
+        self.origin: dict[str, int] = {}  # request id -> the front end that sent it
         self.max_num_waiting = config.max_num_waiting
         self.log_interval = config.log_interval
         self.deadlines: dict[str, float] = {}
@@ -128,26 +142,35 @@ class EngineLoop:
     # ---- the loop ---------------------------------------------------------------------
 
     def run(self) -> None:
-        engine, outbox = self.engine, self.outbox
+        engine, outboxes, conns = self.engine, self.outboxes, self.conns
+        index = {c: i for i, c in enumerate(conns)}
         while self.running:
             busy = engine.has_unfinished_requests()
-            # between steps, take everything that arrived; when idle, sleep on the pipe (in
-            # short naps while Deltas wait for the front end to make room for them)
+            # between steps, take everything that arrived; when idle, sleep on the pipes (in
+            # short naps while Deltas wait for a front end to make room for them)
             timeout = 0.0 if busy else self._idle_timeout()
-            if outbox.pending:
+            if any(o.pending for o in outboxes):
                 timeout = min(timeout, 0.002)
-            while self.conn.poll(timeout):
-                self._handle(self.conn.recv())
-                timeout = 0.0
+            if len(conns) == 1:
+                while conns[0].poll(timeout):
+                    self._handle(conns[0].recv(), 0)
+                    timeout = 0.0
+            else:
+                while ready := wait(conns, timeout):
+                    for c in ready:
+                        self._handle(c.recv(), index[c])
+                    timeout = 0.0
             self._expire()
             if engine.has_unfinished_requests():
                 outs = engine.step()
                 if outs:
                     self._send_outputs(outs)
-            if outbox.pending:
-                outbox.flush()
+            for outbox in outboxes:
+                if outbox.pending:
+                    outbox.flush()
             self._maybe_log()
-        outbox.flush(timeout=1.0)
+        for outbox in outboxes:
+            outbox.flush(timeout=1.0)
 
     def _idle_timeout(self) -> float:
         now = time.monotonic()
@@ -156,41 +179,43 @@ class EngineLoop:
             wake = min(wake, min(self.deadlines.values()))
         return max(0.0, min(wake - now, 1.0))
 
-    def _handle(self, msg: FrontEndMessage) -> None:
+    def _handle(self, msg: FrontEndMessage, origin: int) -> None:
         match msg:
             case AddRequest():
-                self._add(msg)
+                self._add(msg, origin)
             case AbortRequest(request_id=rid):
                 self._finish(rid, FinishReason.ABORT, notify=False)
             case StatsQuery(token=token):
-                self.outbox.send(StatsReply(token, self.stats()))
+                self.outboxes[origin].send(StatsReply(token, self.stats()))
             case Shutdown():
                 self.running = False
             case _:
                 log.warning("unexpected message from the front end: %r", msg)
 
-    def _add(self, req: AddRequest) -> None:
-        engine, rid = self.engine, req.request_id
+    def _add(self, req: AddRequest, origin: int) -> None:
+        engine, rid, outbox = self.engine, req.request_id, self.outboxes[origin]
         waiting = len(engine.scheduler.waiting)
         if self.max_num_waiting is not None and waiting >= self.max_num_waiting:
             retry = self._retry_after(waiting)
             msg = (f"the server is at capacity ({waiting} requests waiting, "
                    f"--max-num-waiting {self.max_num_waiting}); retry in {retry} s")
-            self.outbox.send(Rejected(rid, RejectReason.OVERLOADED, msg, retry_after=retry))
+            outbox.send(Rejected(rid, RejectReason.OVERLOADED, msg, retry_after=retry))
             return
         try:  # the engine checks the ids (vocabulary, empty, longer than the context)
             engine.add_request(req.prompt_token_ids, req.params, rid, stream=req.stream,
                                priority=req.priority, delta=True, detokenize=req.detokenize)
         except InvalidRequestError as e:
-            self.outbox.send(Rejected(rid, RejectReason.INVALID, str(e), e.param, e.code))
+            outbox.send(Rejected(rid, RejectReason.INVALID, str(e), e.param, e.code))
             return
         except NanoVLLMError as e:  # e.g. a ConfigError: no request field to name
-            self.outbox.send(Rejected(rid, RejectReason.INVALID, str(e)))
+            outbox.send(Rejected(rid, RejectReason.INVALID, str(e)))
             return
+        if len(self.outboxes) > 1:
+            self.origin[rid] = origin
         self.prompt_tokens += len(req.prompt_token_ids)
         if req.timeout is not None:
             self.deadlines[rid] = time.monotonic() + req.timeout
-        self.outbox.send(Accepted(rid))
+        outbox.send(Accepted(rid))
 
     def _retry_after(self, waiting: int) -> int:
         """Seconds until the waiting queue has likely drained, from the rate requests
@@ -220,11 +245,26 @@ class EngineLoop:
                 self.finished[reason.value] += 1
         if notify:
             self._send_outputs([out])
+        self.origin.pop(rid, None)
 
     # ---- outputs ----------------------------------------------------------------------
 
     def _send_outputs(self, outs: list[RequestOutput]) -> None:
-        """The engine's delta outputs (see LLMEngine.add_request) as Deltas."""
+        """The engine's delta outputs (see LLMEngine.add_request) as Deltas, each to the
+        front end that sent its request."""
+        if len(self.outboxes) == 1:
+            self._deltas_to(self.outboxes[0], outs)
+            return
+        by_origin: dict[int, list[RequestOutput]] = {}
+        for out in outs:
+            origin = self.origin.get(out.request_id, 0)
+            if out.finished:
+                self.origin.pop(out.request_id, None)
+            by_origin.setdefault(origin, []).append(out)
+        for origin, group in by_origin.items():
+            self._deltas_to(self.outboxes[origin], group)
+
+    def _deltas_to(self, outbox: Outbox, outs: list[RequestOutput]) -> None:
         deltas = []
         for out in outs:
             rid, cached, queued = out.request_id, out.num_cached_tokens, out.queue_time
@@ -239,7 +279,7 @@ class EngineLoop:
             if out.finished:
                 self.deadlines.pop(rid, None)
         if deltas:
-            self.outbox.put_deltas(deltas)
+            outbox.put_deltas(deltas)
 
     # ---- stats and logs ---------------------------------------------------------------
 

@@ -30,7 +30,7 @@ ENGINE = dict(device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    proc, conn = start_engine(EngineProcessConfig(str(tiny_llama), EngineConfig(**ENGINE), 4))
+    proc, (conn,) = start_engine(EngineProcessConfig(str(tiny_llama), EngineConfig(**ENGINE), 4))
     assert conn.poll(120), "engine did not start"
     ready = conn.recv()
     assert isinstance(ready, Ready), ready

@@ -1,6 +1,9 @@
 """`nanovllm serve`: the OpenAI-compatible HTTP server (entrypoints/openai runs it)."""
 
 import argparse
+import os
+import shutil
+import tempfile
 
 from nanovllm.entrypoints.cli.arguments import engine_config
 
@@ -40,11 +43,21 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="engine processes behind this server, one per GPU (or a share of the "
                    "CPU each); each request goes to the one caching its prompt's prefix "
                    "unless that one is busier than the others")
+    g.add_argument("--api-server-count", type=int, metavar="N", default=1,
+                   help="front-end processes sharing the port (HTTP, tokenizing, streaming), "
+                   "each talking to every engine process: for when one front end's core "
+                   "cannot stream what the engines generate (data parallelism)")
     g.add_argument("--log-interval", type=float, metavar="SECONDS", default=10.0,
                    help="time between the engine's status lines")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    shared = None
+    if args.api_server_count > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # several front ends share their metrics through files; prometheus_client reads
+        # where when it is first imported, just below
+        shared = tempfile.mkdtemp(prefix="nanovllm-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = shared
     # FastAPI only when serving
     from nanovllm.engine.messages import EngineProcessConfig
     from nanovllm.entrypoints.openai.launch import ServerSettings, run_server
@@ -54,6 +67,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     server = ServerSettings(
         args.host, args.port, args.api_key, args.served_model_name, args.max_request_bytes,
-        args.protect_metrics, args.data_parallel_size,
+        args.protect_metrics, args.data_parallel_size, args.api_server_count,
     )
-    return run_server(engine, server)
+    try:
+        return run_server(engine, server)
+    finally:
+        if shared is not None:
+            shutil.rmtree(shared, ignore_errors=True)

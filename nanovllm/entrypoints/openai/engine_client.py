@@ -3,11 +3,14 @@
 import asyncio
 import itertools
 import logging
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 from nanovllm.core.errors import NanoVLLMError
 from nanovllm.engine.engine_proc import start_engine
@@ -55,8 +58,13 @@ class EngineClient:
     as the pipe fills (a burst of long prompts while the engine steps).
     """
 
-    def __init__(self, proc: BaseProcess, conn: Connection, info: EngineInfo) -> None:
+    def __init__(self, proc: "BaseProcess | PeerProcess", conn: Connection, info: EngineInfo,
+                 spare_conns: list[Connection] | None = None) -> None:
         self.proc, self.conn, self.info = proc, conn, info
+        # the engine's pipes to the other front-end processes (--api-server-count), handed
+        # to them by launch.py; the engine process is this client's to stop
+        self.spare_conns = spare_conns or []
+        self.owner = isinstance(proc, BaseProcess)
         self.error: str | None = None  # why the engine is gone
         self._queues: dict[str, asyncio.Queue] = {}
         self._acks: dict[str, asyncio.Future[Accepted | Rejected]] = {}
@@ -70,27 +78,24 @@ class EngineClient:
         self.on_death: Callable[[str], None] | None = None
 
     @classmethod
-    def start(cls, config: EngineProcessConfig) -> "EngineClient":
-        """Spawn the engine and block until it is ready; raises NanoVLLMError if it fails."""
-        proc, conn = start_engine(config)
+    def start(cls, config: EngineProcessConfig, num_front_ends: int = 1) -> "EngineClient":
+        """Spawn the engine and block until it is ready; raises NanoVLLMError if it fails.
+        With several front-end processes, the engine gets a pipe to each; this client
+        keeps the others' in `spare_conns`."""
+        proc, conns = start_engine(config, num_front_ends)
         try:
-            while not conn.poll(0.5):
-                if not proc.is_alive():
-                    raise EngineDeadError(
-                        f"the engine process exited (code {proc.exitcode}) before it was ready"
-                    )
-            match conn.recv():
-                case Ready(info=info):
-                    pass
-                case Fatal(message=message):
-                    raise EngineDeadError(f"the engine failed to start: {message}")
-                case other:
-                    raise EngineDeadError(f"the engine started with {other!r}, not Ready")
+            info = _ready(conns[0], proc)
         except BaseException:
             proc.terminate()
             proc.join(5)
             raise
-        return cls(proc, conn, info)
+        return cls(proc, conns[0], info, conns[1:])
+
+    @classmethod
+    def connect(cls, conn: Connection, pid: int) -> "EngineClient":
+        """In another front-end process: the client of a running engine (process `pid`,
+        started by the first front end) over its pipe `conn`."""
+        return cls(PeerProcess(pid), conn, _ready(conn, PeerProcess(pid)))
 
     def attach(self) -> None:
         """Start routing the engine's replies to the running event loop."""
@@ -139,6 +144,9 @@ class EngineClient:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._loop = None  # the reader stops handing replies over
+        if not self.owner:  # another front end's engine: its owner stops it
+            self._outbox.put(None)
+            return
         if self.proc.is_alive():
             self._send(Shutdown())
         self._outbox.put(None)
@@ -243,3 +251,50 @@ class EngineClient:
         self._queues.clear()
         if self.on_death is not None:
             self.on_death(reason)
+
+
+def _ready(conn: Connection, proc) -> EngineInfo:
+    """The engine's first message on `conn`: its EngineInfo, or why it did not start."""
+    while not conn.poll(0.5):
+        if not proc.is_alive():
+            raise EngineDeadError(
+                f"the engine process exited (code {proc.exitcode}) before it was ready"
+            )
+    match conn.recv():
+        case Ready(info=info):
+            return info
+        case Fatal(message=message):
+            raise EngineDeadError(f"the engine failed to start: {message}")
+        case other:
+            raise EngineDeadError(f"the engine started with {other!r}, not Ready")
+
+
+class PeerProcess:
+    """An engine process another front-end process started: as much of multiprocessing's
+    Process as EngineClient uses (alive, join); its exit code is its parent's to read."""
+
+    exitcode = None
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def is_alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        try:  # where /proc says so: a zombie has exited (its parent has not reaped it yet)
+            state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        return state not in ("Z", "X")
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def terminate(self) -> None:
+        pass  # not ours to stop

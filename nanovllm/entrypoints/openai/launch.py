@@ -13,6 +13,7 @@ from nanovllm.engine import stack_sampler
 from nanovllm.engine.messages import EngineProcessConfig
 from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.entrypoints.openai.app import build_app
+from nanovllm.entrypoints.openai.metrics import MULTIPROC_ENV
 from nanovllm.entrypoints.openai.replicas import ReplicaSet
 from nanovllm.entrypoints.openai.serving import MAX_N, ServerConfig
 
@@ -32,6 +33,7 @@ class ServerSettings:
     max_request_bytes: int = 1 << 20
     protect_metrics: bool = False  # /metrics needs the API key too
     data_parallel_size: int = 1  # engine processes behind this front end (replicas.py)
+    api_server_count: int = 1  # front-end processes sharing the port (see run_server)
 
 
 def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
@@ -47,35 +49,37 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
     if server.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size {server.data_parallel_size} is invalid; "
                           "use 1 or more engine processes")
+    if server.api_server_count < 1:
+        raise ConfigError(f"--api-server-count {server.api_server_count} is invalid; "
+                          "use 1 or more front-end processes")
+    if server.api_server_count > 1 and not os.environ.get(MULTIPROC_ENV):
+        raise ConfigError(f"--api-server-count needs {MULTIPROC_ENV} set before the "
+                          "metrics are imported (`nanovllm serve` sets it)")
     n = server.data_parallel_size
     log.info("starting the engine process%s (model %s)",
              f"es ({n}, data parallel)" if n > 1 else "", engine.model or "default")
-    client = ReplicaSet.start(engine, server.data_parallel_size)
+    client = ReplicaSet.start(engine, server.data_parallel_size, server.api_server_count)
+    front_ends: list = []
     try:
-        config = ServerConfig(
-            served_model_name=server.served_model_name or served_name(engine.model),
-            api_key=server.api_key or os.environ.get("NANOVLLM_API_KEY") or None,
-            max_request_bytes=server.max_request_bytes,
-            max_n=min(MAX_N, client.info.max_num_seqs),
-            protect_metrics=server.protect_metrics,
-        )
-        app = build_app(client, tokenizer, config)
+        config = server_config(server, engine, client)
         log.info(
-            "serving %r (max_model_len %d) on http://%s:%d%s",
+            "serving %r (max_model_len %d) on http://%s:%d%s%s",
             config.served_model_name,
             client.info.max_model_len,
             server.host,
             server.port,
             " (API key required)" if config.api_key else "",
+            f" with {server.api_server_count} front-end processes"
+            if server.api_server_count > 1 else "",
         )
+        sockets = None
+        if server.api_server_count > 1:  # every front end accepts on the one socket
+            sockets = [uvicorn.Config(None, host=server.host, port=server.port).bind_socket()]
+            front_ends = start_front_ends(engine, server, client, sockets[0])
         # NANOVLLM_SAMPLE_STACKS: where time goes (the report is rewritten as it runs:
         # uvicorn ends the process by re-raising SIGTERM, past any `finally`)
         stack_sampler.from_env(".front")
-        # per-request log lines replace uvicorn's access log
-        http = uvicorn.Server(uvicorn.Config(
-            app, host=server.host, port=server.port, access_log=False,
-            timeout_graceful_shutdown=5,
-        ))  # fmt: skip
+        http = http_server(build_app(client, tokenizer, config), server, front_ends)
         died: list[str] = []
 
         def on_death(reason: str) -> None:
@@ -88,16 +92,139 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
                                                   "should_exit", True)
 
         client.on_death = on_death
+        if front_ends:
+            watch_front_ends(front_ends, http, died)
         try:
-            http.run()
+            http.run(sockets=sockets)
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: a clean stop
             pass
     finally:
+        stop_front_ends(front_ends)
         client.shutdown()
     if died:
         log.error("exiting with status 1: %s", died[0])
         return 1
     return 0
+
+
+def server_config(server: ServerSettings, engine: EngineProcessConfig, client) -> ServerConfig:
+    return ServerConfig(
+        served_model_name=server.served_model_name or served_name(engine.model),
+        api_key=server.api_key or os.environ.get("NANOVLLM_API_KEY") or None,
+        max_request_bytes=server.max_request_bytes,
+        max_n=min(MAX_N, client.info.max_num_seqs),
+        protect_metrics=server.protect_metrics,
+    )
+
+
+def http_server(app, server: ServerSettings, front_ends: list | None = None):
+    """uvicorn's server for `app`; with `front_ends` (the other front-end processes), one
+    that passes a stop on to them at once and waits for them as it stops: uvicorn ends a
+    stopped process by raising the signal again, past any `finally`, and the engine process
+    would go with it while the others still drain their requests."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            for p in front_ends or ():
+                if p.is_alive():
+                    p.terminate()  # SIGTERM: they drain their requests as this one does
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None) -> None:
+            await super().shutdown(sockets)
+            if front_ends:
+                await asyncio.to_thread(stop_front_ends, front_ends)
+
+    # per-request log lines replace uvicorn's access log
+    return Server(uvicorn.Config(
+        app, host=server.host, port=server.port, access_log=False,
+        timeout_graceful_shutdown=5,
+    ))  # fmt: skip
+
+
+# ---- several front-end processes (--api-server-count) -----------------------------------
+#
+# One process streams every token of every request: HTTP, JSON, detokenizing, SSE. With
+# several engine replicas that can be more than a core's worth. Front ends 1..N-1 are
+# spawned here, each with its own pipe to every engine process (the engine loop serves
+# them all, replying on the pipe a request came from), accepting on the socket this one
+# bound (the kernel spreads connections over them). A front end that exits takes the
+# server down: its pipes close, the engines stop, and every front end exits with status 1,
+# as when an engine dies.
+
+
+def start_front_ends(engine: EngineProcessConfig, server: ServerSettings, client,
+                     sock) -> list:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for k in range(1, server.api_server_count):
+        proc = ctx.Process(target=run_front_end, name=f"nanovllm-front-end-{k}", daemon=False,
+                           args=(k, engine, server, client.front_end_pipes(k), sock))
+        proc.start()
+        log.info("front end %d: process %d", k, proc.pid)
+        procs.append(proc)
+    client.close_spare_pipes()
+    return procs
+
+
+def watch_front_ends(procs: list, http, died: list[str]) -> None:
+    """Stop this front end (status 1) when another exits while the server runs."""
+    import threading
+
+    def watch() -> None:
+        from multiprocessing.connection import wait
+
+        wait([p.sentinel for p in procs])
+        if not http.should_exit and not died:  # (an engine's death is being handled)
+            gone = next(p for p in procs if not p.is_alive())
+            died.append(f"front end process {gone.pid} exited (code {gone.exitcode})")
+            http.should_exit = True
+
+    threading.Thread(target=watch, name="front-end-watch", daemon=True).start()
+
+
+def stop_front_ends(procs: list, timeout: float = 10.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()  # SIGTERM: uvicorn's graceful stop
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def run_front_end(k: int, engine: EngineProcessConfig, server: ServerSettings, pipes: list,
+                  sock) -> None:
+    """Front end k's process: the replicas over its pipes, the app, HTTP on `sock`; exits
+    with status 1 when the engines are gone."""
+    import sys
+
+    from nanovllm.model.loader.source import open_model
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
+    client = ReplicaSet.connect(pipes)
+    http = http_server(build_app(client, load_tokenizer(open_model(engine.model)),
+                                 server_config(server, engine, client)), server)
+    died: list[str] = []
+
+    def on_death(reason: str) -> None:
+        if not http.should_exit:
+            died.append(reason)
+            asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, setattr, http,
+                                                  "should_exit", True)
+
+    client.on_death = on_death
+    try:
+        http.run(sockets=[sock])
+    finally:
+        client.shutdown()
+    sys.exit(1 if died else 0)
 
 
 def check_address(host: str, port: int) -> None:

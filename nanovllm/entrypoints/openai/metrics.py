@@ -4,12 +4,16 @@ Engine numbers (queues, KV cache, token counters, finished requests) come from a
 snapshot taken at each scrape; latency histograms are observed here, in the front end.
 """
 
+import os
+
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from nanovllm.engine.messages import EngineStats
 
 disable_created_metrics()  # no *_created series: process start times, noise on every scrape
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # several front-end processes (see Metrics)
 
 # EngineStats field -> (metric name, help)
 _GAUGES = {
@@ -102,15 +106,25 @@ def _family(cls, metric: str, doc: str, model: str, snaps, key: str):
 class Metrics:
     """The server's registry: engine snapshot collector plus front-end histograms.
     Time to first token and per output token are observed for streamed requests only:
-    the engine reports a non-streamed request once, at its end."""
+    the engine reports a non-streamed request once, at its end.
+
+    With several front-end processes (`--api-server-count`), launch.py sets
+    PROMETHEUS_MULTIPROC_DIR before prometheus_client is imported: each process's histograms
+    then live in files there, and every process's /metrics sums them all (prometheus_client's
+    multiprocess mode), whichever process the scrape reaches."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self._engine = _EngineCollector(model_name)
         self.registry.register(self._engine)
+        shared = bool(os.environ.get(MULTIPROC_ENV))
+        if shared:
+            MultiProcessCollector(self.registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
-            h = Histogram(name, doc, ["model_name"], registry=self.registry, buckets=buckets)
+            # shared: observed into this process's file, collected from every process's
+            h = Histogram(name, doc, ["model_name"], registry=None if shared else self.registry,
+                          buckets=buckets)
             return h.labels(model_name)
 
         self.ttft = histogram(

@@ -45,12 +45,13 @@ class ReplicaSet:
         self.on_death = None  # called once the last replica is gone (launch.py)
 
     @classmethod
-    def start(cls, config: EngineProcessConfig, size: int = 1) -> "ReplicaSet":
+    def start(cls, config: EngineProcessConfig, size: int = 1,
+              num_front_ends: int = 1) -> "ReplicaSet":
         """Spawn `size` engine processes, on a GPU machine tensor_parallel_size GPUs each
         (CUDA_VISIBLE_DEVICES), else an equal share of the CPU's threads; block until all
-        are ready."""
+        are ready. Each gets a pipe per front-end process (`front_end_pipes`)."""
         if size == 1:
-            return cls([EngineClient.start(config)])
+            return cls([EngineClient.start(config, num_front_ends)])
         import torch  # only here: one engine needs no torch in the front end
 
         clients: list[EngineClient] = []
@@ -75,7 +76,7 @@ class ReplicaSet:
                     own = dataclasses.replace(config, engine=dataclasses.replace(
                         config.engine,
                         kv_events_endpoint=offset_port(config.engine.kv_events_endpoint, i)))
-                clients.append(EngineClient.start(own))
+                clients.append(EngineClient.start(own, num_front_ends))
         except BaseException:
             for c in clients:
                 c.shutdown()
@@ -87,6 +88,24 @@ class ReplicaSet:
                 else:
                     os.environ["CUDA_VISIBLE_DEVICES"] = env
         return cls(clients)
+
+    @classmethod
+    def connect(cls, pipes: list[tuple]) -> "ReplicaSet":
+        """In another front-end process: the replicas the first one started, from their
+        (pipe, pid) pairs (`front_end_pipes`)."""
+        return cls([EngineClient.connect(conn, pid) for conn, pid in pipes])
+
+    def front_end_pipes(self, k: int) -> list[tuple]:
+        """Front-end process k's (pipe, engine pid) for each replica (k >= 1)."""
+        return [(c.spare_conns[k - 1], c.info.pid) for c in self.clients]
+
+    def close_spare_pipes(self) -> None:
+        """This process's copies of the other front ends' pipes: closed once those have
+        theirs, so an engine sees the end of a pipe when its front end goes."""
+        for c in self.clients:
+            for conn in c.spare_conns:
+                conn.close()
+            c.spare_conns = []
 
     # ---- what the routes use ------------------------------------------------------------
 

@@ -1,0 +1,88 @@
+"""`nanovllm serve --api-server-count 2`: two front-end processes accept on one port, each
+with its own pipe to the engine process. Requests through either are answered (streamed or
+not, by the official client), /metrics sums both processes' latency histograms whichever
+answers the scrape, and when the engine dies every front end exits: the server with status
+1, no process left behind."""
+
+import concurrent.futures
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import openai
+
+from tests.server.harness import ServerProcess, metric, scrape, wait_idle
+
+E2E = "nanovllm:e2e_request_latency_seconds"
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def two_front_ends(model: Path, tmp_path: Path) -> tuple[ServerProcess, list[int]]:
+    """A ready server of two front ends, and their pids: the server's own process and the
+    one it started."""
+    srv = ServerProcess(tmp_path / "server.log", "--model", str(model),
+                        "--max-model-len", "512", "--api-server-count", "2")
+    srv.wait_ready()
+    spawned = re.findall(r"front end \d+: process (\d+)", srv.log_path.read_text())
+    pids = [srv.proc.pid, *map(int, spawned)]
+    assert len(pids) == 2, srv.log_tail()
+    return srv, pids
+
+
+def test_two_front_ends_serve_one_engine_and_share_metrics(tiny_llama, tmp_path):
+    srv, pids = two_front_ends(tiny_llama, tmp_path)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        model = client.models.list().data[0].id
+        before, ticks = wait_idle(srv), [cpu_ticks(p) for p in pids]
+
+        def one(i: int) -> int:
+            # a fresh connection each time: the kernel hands each to either process
+            with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=60) as c:
+                kw = dict(model=model, prompt=[5, 6, 7, 10 + i % 40], max_tokens=6,
+                          temperature=0, extra_body={"ignore_eos": True})
+                if i % 2:
+                    chunks = list(c.completions.create(stream=True, **kw))
+                    return sum(len(ch.choices[0].text) > 0 for ch in chunks if ch.choices)
+                return c.completions.create(**kw).usage.completion_tokens
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(one, range(48)))
+        assert all(n > 0 for n in got) and got[0::2] == [6] * 24, got
+        after = wait_idle(srv)
+        # every request observed once, in one process or the other, all in one scrape
+        assert metric(after, E2E + "_count") - metric(before, E2E + "_count") == 48
+        assert metric(after, "nanovllm:generation_tokens") - metric(
+            before, "nanovllm:generation_tokens") == 48 * 6
+        used = [cpu_ticks(p) - t for p, t in zip(pids, ticks)]
+        assert all(u > 0 for u in used), f"a front end served nothing: CPU ticks {used}"
+        assert metric(scrape(srv), E2E + "_count") == metric(after, E2E + "_count")
+    finally:
+        problems = srv.stop(timeout=20)  # SIGTERM: both front ends stop, then the engine
+    assert not problems, problems
+    assert not srv.log_problems(), srv.log_tail()
+
+
+def test_an_engine_death_ends_every_front_end(tiny_llama, tmp_path):
+    srv, pids = two_front_ends(tiny_llama, tmp_path)
+    try:
+        engine = next(p for p in srv.descendants() if p not in pids and b"spawn_main"
+                      in Path(f"/proc/{p}/cmdline").read_bytes())
+        srv.known_children |= set(srv.descendants())
+        killed = time.monotonic()
+        os.kill(engine, signal.SIGKILL)
+        assert srv.proc.wait(30) == 1, srv.log_tail()
+        assert time.monotonic() - killed < 20
+        log = srv.log_path.read_text()
+        assert "exiting with status 1" in log and "Traceback" not in log, log[-3000:]
+    finally:
+        problems = srv.stop(timeout=10)  # the harness checks that no process is left
+        assert not problems, problems
