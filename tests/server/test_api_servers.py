@@ -1,8 +1,8 @@
 """`nanovllm serve --api-server-count 2`: two front-end processes accept on one port, each
-with its own pipe to the engine process. Requests through either are answered (streamed or
-not, by the official client), /metrics sums both processes' latency histograms whichever
-answers the scrape, and when the engine dies every front end exits: the server with status
-1, no process left behind."""
+with its own pipe to every engine process. Requests through either are answered (streamed
+or not, by the official client), abandoned streams free their blocks, /metrics sums both
+processes' latency histograms whichever answers the scrape, and when the engine dies every
+front end exits: the server with status 1, no process left behind."""
 
 import concurrent.futures
 import os
@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 
 from tests.server.harness import ServerProcess, metric, scrape, wait_idle
+from tests.support import build_tiny_model
 
 E2E = "nanovllm:e2e_request_latency_seconds"
 
@@ -23,11 +24,11 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
-def two_front_ends(model: Path, tmp_path: Path) -> tuple[ServerProcess, list[int]]:
+def two_front_ends(model: Path, tmp_path: Path, *args: str) -> tuple[ServerProcess, list[int]]:
     """A ready server of two front ends, and their pids: the server's own process and the
     one it started."""
     srv = ServerProcess(tmp_path / "server.log", "--model", str(model),
-                        "--max-model-len", "512", "--api-server-count", "2")
+                        "--api-server-count", "2", *args)
     srv.wait_ready()
     spawned = re.findall(r"front end \d+: process (\d+)", srv.log_path.read_text())
     pids = [srv.proc.pid, *map(int, spawned)]
@@ -35,8 +36,14 @@ def two_front_ends(model: Path, tmp_path: Path) -> tuple[ServerProcess, list[int
     return srv, pids
 
 
-def test_two_front_ends_serve_one_engine_and_share_metrics(tiny_llama, tmp_path):
-    srv, pids = two_front_ends(tiny_llama, tmp_path)
+def test_two_front_ends_serve_two_replicas_and_share_metrics(tiny_llama, tmp_path):
+    """With two engine replicas too (--data-parallel-size 2): each front end has a pipe to
+    each replica. Streams closed after their first token free their blocks whichever front
+    end and replica served them."""
+    # contexts of 16,384: an abandoned stream of 8,000 tokens would run for seconds
+    model_dir = build_tiny_model(tmp_path / "model", "llama", max_position_embeddings=16384)
+    srv, pids = two_front_ends(model_dir, tmp_path, "--data-parallel-size", "2",
+                               "--max-model-len", "16384")
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
                                timeout=60)
@@ -65,6 +72,23 @@ def test_two_front_ends_serve_one_engine_and_share_metrics(tiny_llama, tmp_path)
         used = [cpu_ticks(p) - t for p, t in zip(pids, ticks)]
         assert all(u > 0 for u in used), f"a front end served nothing: CPU ticks {used}"
         assert metric(scrape(srv), E2E + "_count") == metric(after, E2E + "_count")
+        served = [metric(after, "nanovllm:request_success", replica=r) for r in "01"]
+        assert all(n > 0 for n in served), f"a replica served nothing: {served}"
+
+        def abandon(i: int) -> None:
+            with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=60) as c:
+                stream = c.completions.create(model=model, prompt=[8, 9, i + 10], stream=True,
+                                              max_tokens=8000, extra_body={"ignore_eos": True})
+                next(iter(stream))
+                stream.close()
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(abandon, range(16)))
+        idle = wait_idle(srv, timeout=30)  # every block free again
+        aborts = [metric(m, "nanovllm:request_success", finished_reason="abort")
+                  for m in (after, idle)]
+        assert aborts[1] - aborts[0] == 16, "an abandoned stream ran on: " + str(aborts)
     finally:
         problems = srv.stop(timeout=20)  # SIGTERM: both front ends stop, then the engine
     assert not problems, problems
@@ -72,7 +96,7 @@ def test_two_front_ends_serve_one_engine_and_share_metrics(tiny_llama, tmp_path)
 
 
 def test_an_engine_death_ends_every_front_end(tiny_llama, tmp_path):
-    srv, pids = two_front_ends(tiny_llama, tmp_path)
+    srv, pids = two_front_ends(tiny_llama, tmp_path, "--max-model-len", "512")
     try:
         engine = next(p for p in srv.descendants() if p not in pids and b"spawn_main"
                       in Path(f"/proc/{p}/cmdline").read_bytes())
