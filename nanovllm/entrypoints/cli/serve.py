@@ -2,7 +2,6 @@
 
 import argparse
 import os
-import shutil
 import tempfile
 
 from nanovllm.entrypoints.cli.arguments import engine_config
@@ -52,15 +51,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    shared = None
     if args.api_server_count > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # several front ends share their metrics through files; prometheus_client reads
-        # where when it is first imported, just below
-        shared = tempfile.mkdtemp(prefix="nanovllm-metrics-")
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = shared
+        # where when it is first imported, just below (launch.METRICS_DIR_PREFIX)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="nanovllm-metrics-")
     # FastAPI only when serving
     from nanovllm.engine.messages import EngineProcessConfig
-    from nanovllm.entrypoints.openai.launch import ServerSettings, run_server
+    from nanovllm.entrypoints.openai.launch import ServerSettings, remove_metrics_dir, run_server
 
     engine = EngineProcessConfig(
         args.model, engine_config(args), args.max_num_waiting, args.log_interval
@@ -72,5 +69,4 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         return run_server(engine, server)
     finally:
-        if shared is not None:
-            shutil.rmtree(shared, ignore_errors=True)
+        remove_metrics_dir()

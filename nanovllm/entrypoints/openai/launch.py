@@ -4,6 +4,7 @@ serve HTTP."""
 import asyncio
 import logging
 import os
+import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from nanovllm.entrypoints.openai.serving import MAX_N, ServerConfig
 log = logging.getLogger("nanovllm.server")
 
 ENGINE_DEATH_GRACE_S = 0.5  # after the engine dies, time for in-flight errors to go out
+METRICS_DIR_PREFIX = "nanovllm-metrics-"  # the shared metrics' directory nanovllm serve makes
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ def http_server(app, server: ServerSettings, front_ends: list | None = None):
             await super().shutdown(sockets)
             if front_ends:
                 await asyncio.to_thread(stop_front_ends, front_ends)
+                remove_metrics_dir()  # here: a stop by signal skips `nanovllm serve`'s own
 
     # per-request log lines replace uvicorn's access log
     return Server(uvicorn.Config(
@@ -184,6 +187,14 @@ def watch_front_ends(procs: list, http, died: list[str]) -> None:
             http.should_exit = True
 
     threading.Thread(target=watch, name="front-end-watch", daemon=True).start()
+
+
+def remove_metrics_dir() -> None:
+    """The shared metrics' files, once every front end has stopped: only a directory
+    `nanovllm serve` made (METRICS_DIR_PREFIX), never one the user named."""
+    path = os.environ.get(MULTIPROC_ENV, "")
+    if os.path.basename(path).startswith(METRICS_DIR_PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def stop_front_ends(procs: list, timeout: float = 10.0) -> None:
