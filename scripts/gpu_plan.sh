@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The measurements still open for issues 11 and 12, in stages that each fit one device call
+# (10 minutes). Run from the repository root on `nvidia-h200-x2` (carry `.whl`: it holds the
+# server's wheels, see gpu_serve.sh), one stage per call, in this order:
+#   bash scripts/gpu_plan.sh tests    # every GPU test, two-GPU tensor parallelism included
+#   bash scripts/gpu_plan.sh kernels  # attention: fp8 layouts vs bf16, ragged decode vs copy
+#                                     # bandwidth; the seed workload with bf16 and fp8 caches
+#   bash scripts/gpu_plan.sh tp       # TP=1 vs TP=2 (NCCL, symmetric-memory all-reduce), 8B
+#   bash scripts/gpu_plan.sh serve    # saturated server vs offline: plain, --mixed-graphs,
+#                                     # --api-server-count 2 (step counts, CPU per process)
+#   bash scripts/gpu_plan.sh dp       # DP=1 vs DP=2, one and two front ends, 2,048 prompts
+# Logs go to $OUT (or ./gpu-out).
+set -u
+stage=${1:?"which stage: tests, kernels, tp, serve or dp"}
+source scripts/device_env.sh
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
+  python3 -c "
+import json; from pathlib import Path
+from benchmarks.workloads import QWEN3_CONFIG; from benchmarks.random_model import build_random_model
+print(build_random_model(json.loads(QWEN3_CONFIG.read_text()),
+                         Path('/tmp/nanovllm-qwen3-0.6b-random'))[0])"
+}
+case "$stage" in
+  tests)
+    SKIP_OFFLINE=1 SKIP_ATTN=1 bash scripts/gpu_check.sh ;;
+  kernels)
+    timeout 150 python3 -m benchmarks.attention --fp8 2>&1 | tee "$OUT/attention_fp8.log" | tail -45
+    timeout 90 python3 -m benchmarks.attention --ragged 2>&1 | tee "$OUT/attention_ragged.log" \
+      | tail -16
+    for flags in "" "--kv-cache-dtype fp8"; do
+      name=offline${flags:+-fp8}
+      # shellcheck disable=SC2086
+      timeout 150 python3 -m benchmarks.offline --no-peer $flags --out "$OUT/$name.json" 2>&1 \
+        | tee "$OUT/$name.log" | tail -12
+    done ;;
+  tp)
+    timeout 560 python3 -m benchmarks.tensor_parallel --shape 8b --all-reduce nccl symm_mem \
+      --out "$OUT/tp.json" 2>&1 | grep -v " INFO " | tee "$OUT/tp.log" | tail -12 ;;
+  serve)
+    MODEL=$(model)
+    for extra in "" "--mixed-graphs" "--api-server-count 2"; do
+      name=serve${extra:+-$(echo "$extra" | tr -cd 'a-z-' | sed 's/^-*//')}
+      echo "== nanovllm serve $extra"
+      timeout 170 python3 -m benchmarks.serve \
+        --launch "--model $MODEL --max-num-seqs 256 --max-model-len 4096 --max-num-waiting 4096 $extra" \
+        --rates inf,inf --num-prompts 256 --input-len 512 --output-len 256 --range-ratio 0.5 \
+        --client-procs 4 --offline --offline-runs 2 --out "$OUT/$name.json" 2>&1 \
+        | grep -E "server CPU|engine steps|^ +inf|offline|best" | tee "$OUT/$name.log"
+    done ;;
+  dp)
+    MODEL=$(model)
+    for flags in "--data-parallel-size 1" "--data-parallel-size 2" \
+                 "--data-parallel-size 2 --api-server-count 2"; do
+      name=dp-$(echo "$flags" | tr -cd '0-9')
+      echo "== nanovllm serve $flags"
+      timeout 190 python3 -m benchmarks.serve \
+        --launch "--model $MODEL --max-num-seqs 256 --max-model-len 4096 --max-num-waiting 4096 $flags" \
+        --rates inf,inf --num-prompts 2048 --input-len 512 --output-len 256 --range-ratio 0.5 \
+        --client-procs 8 --out "$OUT/$name.json" 2>&1 \
+        | grep -E "server CPU|engine steps|^ +inf" | tee "$OUT/$name.log"
+    done ;;
+  *)
+    echo "unknown stage $stage: tests, kernels, tp, serve or dp" >&2
+    exit 2 ;;
+esac
