@@ -1,5 +1,5 @@
 """`nanovllm serve`: check the address, start the engine process, wait until it is ready,
-serve HTTP."""
+serve HTTP (with `--api-server-count`, from several front-end processes; see below)."""
 
 import asyncio
 import logging
