@@ -121,3 +121,29 @@ def test_store_kv_writes_the_reference_bytes(triton_device, scaled):
         else:  # a GPU's division may round the last bit of a few quotients differently
             a, b = (ta.dequantize_fp8(x, dim, torch.float32) for x in (got, want))
             torch.testing.assert_close(a, b, rtol=0.13, atol=1e-6)
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["token", "tensor"])
+def test_store_kv_writes_finite_bytes_only(triton_device, scaled):
+    """NaN and infinities in K/V are stored as finite bytes (NaN as 0), by both backends: a
+    V tile's positions past the context are read and weighted 0 (_load_block_tile), and
+    0 * NaN would poison the row."""
+    tokens, heads, dim, bs = 8, 2, 64, 16
+    width = ta.fp8_width(dim, scaled)
+    k = torch.randn(tokens, heads, dim)
+    k[0, 0, :5] = float("nan")
+    k[1, 1, 3] = float("inf")
+    k[2] = float("nan")  # a whole token-head of NaN: its scale too
+    slots = torch.arange(tokens)
+    caches = {}
+    for name, backend, dev in (("torch", ta, "cpu"), ("triton", tb, triton_device)):
+        kc = torch.zeros(4, bs, heads, width, dtype=torch.uint8, device=dev)
+        vc = transposed(torch.zeros_like(kc))
+        backend.store_kv(k.to(dev), k.to(dev), kc, vc, slots.to(dev))
+        caches[name] = (kc.cpu(), vc.cpu())
+    for kc, vc in caches.values():
+        for cache in (kc, vc):
+            values = ta.dequantize_fp8(cache, dim, torch.float32)
+            assert torch.isfinite(values).all()
+            assert values[0, 0, 0, :5].eq(0).all() and values[0, 2].eq(0).all()
+    assert torch.equal(caches["torch"][0], caches["triton"][0]) or triton_device != "cpu"
