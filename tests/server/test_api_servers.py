@@ -79,16 +79,21 @@ def test_two_front_ends_serve_two_replicas_and_share_metrics(tiny_llama, tmp_pat
             with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
                                timeout=60) as c:
                 stream = c.completions.create(model=model, prompt=[8, 9, i + 10], stream=True,
-                                              max_tokens=8000, extra_body={"ignore_eos": True})
+                                              max_tokens=16000, extra_body={"ignore_eos": True})
                 next(iter(stream))
                 stream.close()
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             list(pool.map(abandon, range(16)))
-        idle = wait_idle(srv, timeout=30)  # every block free again
-        aborts = [metric(m, "nanovllm:request_success", finished_reason="abort")
-                  for m in (after, idle)]
-        assert aborts[1] - aborts[0] == 16, "an abandoned stream ran on: " + str(aborts)
+        # each ends as an abort, not at its length: on a loaded 2-core machine a front end
+        # may take seconds to see its client gone, far less than 16,000 tokens take
+        base = metric(after, "nanovllm:request_success", finished_reason="abort")
+        deadline = time.monotonic() + 90
+        while (aborts := metric(scrape(srv), "nanovllm:request_success",
+                                finished_reason="abort") - base) < 16:
+            assert time.monotonic() < deadline, f"{aborts:.0f} of 16 streams aborted"
+            time.sleep(0.2)
+        wait_idle(srv, timeout=30)  # every block free again
     finally:
         problems = srv.stop(timeout=20)  # SIGTERM: both front ends stop, then the engine
     assert not problems, problems
