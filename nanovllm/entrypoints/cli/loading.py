@@ -3,6 +3,7 @@
 import argparse
 import logging
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,19 +29,25 @@ def load_engine(args: argparse.Namespace, config: EngineConfig):
 @contextmanager
 def _ctrl_c_kept() -> Iterator[None]:
     """Ctrl-C raises KeyboardInterrupt as usual, and is remembered: one that lands in an
-    import lock's callback or a finalizer is printed as "Exception ignored" and dropped by
-    Python, and the command loaded and ran to its end (seen in CI). Such a Ctrl-C is raised
-    again once loading is done."""
+    import lock's callback or a finalizer is printed as "Exception ignored" with a traceback
+    and dropped by Python, and the command loaded and ran to its end (seen in CI). Such a
+    Ctrl-C is raised again once loading is done, and not printed."""
     pressed: list[bool] = []
 
     def on_sigint(signum, frame) -> None:
         pressed.append(True)
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    def on_dropped(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            hook(unraisable)
+
+    previous, hook = signal.signal(signal.SIGINT, on_sigint), sys.unraisablehook
+    sys.unraisablehook = on_dropped
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = hook
     if pressed:
         raise KeyboardInterrupt
