@@ -53,7 +53,6 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
-from nanovllm.kernels.torch_attention import v_transposed
 
 # the backend's other entry point, and the cache-format flags both files launch with
 from nanovllm.kernels.triton_kv_store import _fp8_flags, store_kv  # noqa: F401
@@ -600,24 +599,23 @@ def paged_attention(
         raise ValueError(f"block_m={cfg.block_m} must be >= 16 and a multiple of {block_g}")
     block_q = cfg.block_m // block_g
     grid = (num_tokens // block_q + num_rows, num_kv_heads)
-    v_t = v_transposed(v_cache)
+    flags = _fp8_flags(k_cache, v_cache, head_dim, q)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out,
         meta.query_start_loc, meta.context_lens, meta.block_tables, scale_log2, num_rows,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         meta.block_tables.stride(0),
         GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim),
-        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=_block_n(cfg, k_cache, v_t),
+        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=_block_n(cfg, k_cache, flags),
         SKIP_DECODE=has_decode_rows, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_fp8_flags(k_cache, head_dim, q), V_T=v_t,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
     return out
 
 
-def _block_n(cfg: TileConfig, k_cache: torch.Tensor, v_t: bool) -> int:
+def _block_n(cfg: TileConfig, k_cache: torch.Tensor, flags: dict) -> int:
     # a transposed V cache's tiles must each lie in one block (see _load_block_tile)
-    return min(cfg.block_n, k_cache.shape[1]) if v_t else cfg.block_n
+    return min(cfg.block_n, k_cache.shape[1]) if flags["V_T"] else cfg.block_n
 
 
 def _longest_first(meta: AttentionMetadata) -> torch.Tensor:
@@ -649,17 +647,16 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
     # run alone at the end; longest first, the last to start are the shortest (LPT order).
     grid = ((num_rows, num_kv_heads, num_splits) if order is None
             else (num_kv_heads * num_splits, num_rows))
-    v_t = v_transposed(v_cache)
+    flags = _fp8_flags(k_cache, v_cache, head_dim, q)
     _decode_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse, qsl, ctx, bt,
         ctx if order is None else order, scale_log2, num_splits,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_G=max(16, _pow2(group)),
-        BLOCK_N=_block_n(cfg, k_cache, v_t), WRITE_OUT=num_splits == 1,
+        BLOCK_N=_block_n(cfg, k_cache, flags), WRITE_OUT=num_splits == 1,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **_fp8_flags(k_cache, head_dim, q),
-        LONGEST_FIRST=order is not None, V_T=v_t,
+        num_stages=cfg.num_stages, LONGEST_FIRST=order is not None, **flags,
     )
     if num_splits > 1:
         _reduce_kernel[(num_rows, num_q_heads)](

@@ -115,18 +115,21 @@ def store_kv(
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), **_fp8_flags(k_cache, head_dim),
-        V_T=v_transposed(v_cache),
+        BLOCK_D=triton.next_power_of_2(head_dim), **_fp8_flags(k_cache, v_cache, head_dim),
     )
 
 
-def _fp8_flags(cache: torch.Tensor, head_dim: int, q: torch.Tensor | None = None) -> dict:
-    """A cache of bytes holds float8 e4m3 (kv_cache_dtype="fp8"); one wider than head_dim
-    holds each token-head's float32 scale after its values (torch_attention's format).
-    With the attention's query `q`: FP8_ASM, whether the tiles are converted by PTX into
-    float16 and the dots run in float16 (a bf16/fp16 query on a GPU; see _load_kv_tile)."""
-    fp8 = cache.dtype == torch.uint8
-    flags = dict(FP8=fp8, SCALED=fp8 and cache.shape[-1] > head_dim)
+def _fp8_flags(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
+               q: torch.Tensor | None = None) -> dict:
+    """The cache format's kernel flags. A cache of bytes holds float8 e4m3
+    (kv_cache_dtype="fp8"); one wider than head_dim holds each token-head's float32 scale
+    after its values (torch_attention's format); V_T: the V cache is stored transposed
+    within each block (worker/kv_cache.py). With the attention's query `q`: FP8_ASM,
+    whether the tiles are converted by PTX into float16 and the dots run in float16 (a
+    bf16/fp16 query on a GPU; see _load_kv_tile)."""
+    fp8 = k_cache.dtype == torch.uint8
+    flags = dict(FP8=fp8, SCALED=fp8 and k_cache.shape[-1] > head_dim,
+                 V_T=v_transposed(v_cache))
     if q is not None:
         flags["FP8_ASM"] = fp8 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     return flags

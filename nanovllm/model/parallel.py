@@ -35,7 +35,7 @@ class OneShotAllReduce:
                  max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.group, self.name = group, group.group_name
+        self.name = group.group_name
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # torch < 2.9 needs it; later ones take every group
             enable(self.name)

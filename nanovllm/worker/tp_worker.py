@@ -87,8 +87,7 @@ def run_worker(rdv: Rendezvous | None = None) -> int:
                     source = open_model(path)
                     runner = ModelRunner(config, source, ModelConfig.from_hf(source.hf_config),
                                          set(eos), tp=tp)
-                    header = torch.zeros(step_header_len(config),
-                                         dtype=torch.int64)
+                    header = torch.zeros(step_header_len(config), dtype=torch.int64)
                 case MeasureKVBlocks():
                     smallest(runner.measure_kv_blocks())
                 case Setup(config=config):

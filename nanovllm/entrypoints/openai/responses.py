@@ -51,9 +51,8 @@ async def sse_events(gen: Generation, shape: ResponseShape) -> AsyncIterator[str
 
     # the same id, time and model open every chunk: encoded once, as the text before the
     # choices (JSON was 7% of the front end's event loop; this takes ~3% off its CPU a token)
-    header = json.dumps(gen.header(shape.chunk_obj), ensure_ascii=False, separators=(",", ":"))
-    opening = f"data: {header[:-1]},\"choices\":"
     dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+    opening = f"data: {dumps(gen.header(shape.chunk_obj))[:-1]},\"choices\":"
 
     def event(choices: list[dict], usage_: dict | None = None) -> str:
         if usage:  # OpenAI: null in every chunk but the last
