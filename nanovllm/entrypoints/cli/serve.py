@@ -53,11 +53,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_server_count > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # several front ends share their metrics through files; prometheus_client reads
-        # where when it is first imported, just below (launch.METRICS_DIR_PREFIX)
+        # where when it is first imported, just below (front_ends.METRICS_DIR_PREFIX)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="nanovllm-metrics-")
     # FastAPI only when serving
     from nanovllm.engine.messages import EngineProcessConfig
-    from nanovllm.entrypoints.openai.launch import ServerSettings, remove_metrics_dir, run_server
+    from nanovllm.entrypoints.openai.front_ends import remove_metrics_dir
+    from nanovllm.entrypoints.openai.launch import ServerSettings, run_server
 
     engine = EngineProcessConfig(
         args.model, engine_config(args), args.max_num_waiting, args.log_interval

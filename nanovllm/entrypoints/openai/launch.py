@@ -1,10 +1,9 @@
 """`nanovllm serve`: check the address, start the engine process, wait until it is ready,
-serve HTTP (with `--api-server-count`, from several front-end processes; see below)."""
+serve HTTP (with `--api-server-count`, from several front-end processes: front_ends.py)."""
 
 import asyncio
 import logging
 import os
-import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,12 @@ from nanovllm.engine import stack_sampler
 from nanovllm.engine.messages import EngineProcessConfig
 from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.entrypoints.openai.app import build_app
+from nanovllm.entrypoints.openai.front_ends import (
+    remove_metrics_dir,
+    start_front_ends,
+    stop_front_ends,
+    watch_front_ends,
+)
 from nanovllm.entrypoints.openai.metrics import MULTIPROC_ENV
 from nanovllm.entrypoints.openai.replicas import ReplicaSet
 from nanovllm.entrypoints.openai.serving import MAX_N, ServerConfig
@@ -21,7 +26,6 @@ from nanovllm.entrypoints.openai.serving import MAX_N, ServerConfig
 log = logging.getLogger("nanovllm.server")
 
 ENGINE_DEATH_GRACE_S = 0.5  # after the engine dies, time for in-flight errors to go out
-METRICS_DIR_PREFIX = "nanovllm-metrics-"  # the shared metrics' directory nanovllm serve makes
 
 
 @dataclass(frozen=True)
@@ -82,18 +86,7 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
         # uvicorn ends the process by re-raising SIGTERM, past any `finally`)
         stack_sampler.from_env(".front")
         http = http_server(build_app(client, tokenizer, config), server, front_ends)
-        died: list[str] = []
-
-        def on_death(reason: str) -> None:
-            if http.should_exit:  # stopping already (Ctrl-C, SIGTERM): the engine went too
-                return
-            # no zombie server: let the failed requests' answers go out, then exit non-zero
-            # so a supervisor (systemd, Kubernetes, a router) starts a fresh one
-            died.append(reason)
-            asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, setattr, http,
-                                                  "should_exit", True)
-
-        client.on_death = on_death
+        died = stop_when_engines_die(client, http)
         if front_ends:
             watch_front_ends(front_ends, http, died)
         try:
@@ -117,6 +110,24 @@ def server_config(server: ServerSettings, engine: EngineProcessConfig, client) -
         max_n=min(MAX_N, client.info.max_num_seqs),
         protect_metrics=server.protect_metrics,
     )
+
+
+def stop_when_engines_die(client, http) -> list[str]:
+    """Once the last engine is gone, stop `http` (after ENGINE_DEATH_GRACE_S, so the failed
+    requests' answers go out); returns the list the reason lands in. No zombie server: the
+    caller exits non-zero so a supervisor (systemd, Kubernetes, a router) starts a fresh
+    one."""
+    died: list[str] = []
+
+    def on_death(reason: str) -> None:
+        if http.should_exit:  # stopping already (Ctrl-C, SIGTERM): the engine went too
+            return
+        died.append(reason)
+        asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, setattr, http,
+                                              "should_exit", True)
+
+    client.on_death = on_death
+    return died
 
 
 def http_server(app, server: ServerSettings, front_ends: list | None = None):
@@ -144,98 +155,6 @@ def http_server(app, server: ServerSettings, front_ends: list | None = None):
         app, host=server.host, port=server.port, access_log=False,
         timeout_graceful_shutdown=5,
     ))  # fmt: skip
-
-
-# ---- several front-end processes (--api-server-count) -----------------------------------
-#
-# One process streams every token of every request: HTTP, JSON, detokenizing, SSE. With
-# several engine replicas that can be more than a core's worth. Front ends 1..N-1 are
-# spawned here, each with its own pipe to every engine process (the engine loop serves
-# them all, replying on the pipe a request came from), accepting on the socket this one
-# bound (the kernel spreads connections over them). A front end that exits takes the
-# server down: its pipes close, the engines stop, and every front end exits with status 1,
-# as when an engine dies.
-
-
-def start_front_ends(engine: EngineProcessConfig, server: ServerSettings, client,
-                     sock) -> list:
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    procs = []
-    for k in range(1, server.api_server_count):
-        proc = ctx.Process(target=run_front_end, name=f"nanovllm-front-end-{k}", daemon=False,
-                           args=(k, engine, server, client.front_end_pipes(k), sock))
-        proc.start()
-        log.info("front end %d: process %d", k, proc.pid)
-        procs.append(proc)
-    client.close_spare_pipes()
-    return procs
-
-
-def watch_front_ends(procs: list, http, died: list[str]) -> None:
-    """Stop this front end (status 1) when another exits while the server runs."""
-    import threading
-
-    def watch() -> None:
-        from multiprocessing.connection import wait
-
-        wait([p.sentinel for p in procs])
-        if not http.should_exit and not died:  # (an engine's death is being handled)
-            gone = next(p for p in procs if not p.is_alive())
-            died.append(f"front end process {gone.pid} exited (code {gone.exitcode})")
-            http.should_exit = True
-
-    threading.Thread(target=watch, name="front-end-watch", daemon=True).start()
-
-
-def remove_metrics_dir() -> None:
-    """The shared metrics' files, once every front end has stopped: only a directory
-    `nanovllm serve` made (METRICS_DIR_PREFIX), never one the user named."""
-    path = os.environ.get(MULTIPROC_ENV, "")
-    if os.path.basename(path).startswith(METRICS_DIR_PREFIX):
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def stop_front_ends(procs: list, timeout: float = 10.0) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()  # SIGTERM: uvicorn's graceful stop
-    for p in procs:
-        p.join(timeout)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
-def run_front_end(k: int, engine: EngineProcessConfig, server: ServerSettings, pipes: list,
-                  sock) -> None:
-    """Front end k's process: the replicas over its pipes, the app, HTTP on `sock`; exits
-    with status 1 when the engines are gone."""
-    import sys
-
-    from nanovllm.model.loader.source import open_model
-
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.setLevel(logging.INFO)
-    client = ReplicaSet.connect(pipes)
-    http = http_server(build_app(client, load_tokenizer(open_model(engine.model)),
-                                 server_config(server, engine, client)), server)
-    died: list[str] = []
-
-    def on_death(reason: str) -> None:
-        if not http.should_exit:
-            died.append(reason)
-            asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, setattr, http,
-                                                  "should_exit", True)
-
-    client.on_death = on_death
-    try:
-        http.run(sockets=[sock])
-    finally:
-        client.shutdown()
-    sys.exit(1 if died else 0)
 
 
 def check_address(host: str, port: int) -> None:

@@ -1,0 +1,97 @@
+"""Several front-end processes for one server (`nanovllm serve --api-server-count N`).
+
+One process streams every token of every request: HTTP, JSON, detokenizing, SSE. With
+several engine replicas that can be more than a core's worth. The first front end
+(launch.py) binds the socket and spawns front ends 1..N-1 here, each with its own pipe to
+every engine process (the engine loop serves them all, replying on the pipe a request came
+from), accepting on that socket (the kernel spreads connections over them). A front end
+that exits takes the server down: its pipes close, the engines stop, and every front end
+exits with status 1, as when an engine dies. Their latency histograms are shared through
+prometheus_client's multiprocess files (metrics.py), in a directory `nanovllm serve` makes.
+"""
+
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import threading
+from multiprocessing.connection import wait
+
+from nanovllm.engine.messages import EngineProcessConfig
+from nanovllm.entrypoints.openai.metrics import MULTIPROC_ENV
+
+log = logging.getLogger("nanovllm.server")
+
+METRICS_DIR_PREFIX = "nanovllm-metrics-"  # the shared metrics' directory nanovllm serve makes
+
+
+def start_front_ends(engine: EngineProcessConfig, server, client, sock) -> list:
+    """Spawn front ends 1..N-1 (`server.api_server_count` in all) on `sock`, each with its
+    pipes to `client`'s engines; this process keeps none of theirs."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for k in range(1, server.api_server_count):
+        proc = ctx.Process(target=run_front_end, name=f"nanovllm-front-end-{k}", daemon=False,
+                           args=(engine, server, client.front_end_pipes(k), sock))
+        proc.start()
+        log.info("front end %d: process %d", k, proc.pid)
+        procs.append(proc)
+    client.close_spare_pipes()
+    return procs
+
+
+def watch_front_ends(procs: list, http, died: list[str]) -> None:
+    """Stop this front end (status 1) when another exits while the server runs."""
+
+    def watch() -> None:
+        wait([p.sentinel for p in procs])
+        if not http.should_exit and not died:  # (an engine's death is being handled)
+            gone = next(p for p in procs if not p.is_alive())
+            died.append(f"front end process {gone.pid} exited (code {gone.exitcode})")
+            http.should_exit = True
+
+    threading.Thread(target=watch, name="front-end-watch", daemon=True).start()
+
+
+def remove_metrics_dir() -> None:
+    """The shared metrics' files, once every front end has stopped: only a directory
+    `nanovllm serve` made (METRICS_DIR_PREFIX), never one the user named."""
+    path = os.environ.get(MULTIPROC_ENV, "")
+    if os.path.basename(path).startswith(METRICS_DIR_PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def stop_front_ends(procs: list, timeout: float = 10.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()  # SIGTERM: uvicorn's graceful stop
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def run_front_end(engine: EngineProcessConfig, server, pipes: list, sock) -> None:
+    """Another front end's process: the replicas over its pipes, the app, HTTP on `sock`; exits
+    with status 1 when the engines are gone."""
+    from nanovllm.engine.tokenizer import load_tokenizer
+    from nanovllm.entrypoints.openai import launch  # which imports this module
+    from nanovllm.entrypoints.openai.app import build_app
+    from nanovllm.entrypoints.openai.replicas import ReplicaSet
+    from nanovllm.model.loader.source import open_model
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
+    client = ReplicaSet.connect(pipes)
+    app = build_app(client, load_tokenizer(open_model(engine.model)),
+                    launch.server_config(server, engine, client))
+    http = launch.http_server(app, server)
+    died = launch.stop_when_engines_die(client, http)
+    try:
+        http.run(sockets=[sock])
+    finally:
+        client.shutdown()
+    sys.exit(1 if died else 0)
