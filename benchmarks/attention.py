@@ -16,6 +16,7 @@ error and the run goes on; the exit status is 1 if any case failed.
 """
 
 import argparse
+import functools
 import sys
 import traceback
 
@@ -271,17 +272,18 @@ def sweeps(table: Table) -> None:
                         run_triton(table, case, impl, batch, prefill_config=cfg)
 
 
-def fp8_table(table: Table) -> None:
+def fp8_table(table: Table, block_sizes: tuple[int, ...] = (256,), sweeps: bool = True) -> None:
     """The same batches over a bf16 cache and both fp8 formats (GB/s counts each format's own
-    bytes, so equal GB/s means the fp8 run took about half the time), then fp8 decode tiles."""
+    bytes, so equal GB/s means the fp8 run took about half the time), at each cache block
+    size, then fp8 decode tiles."""
     from nanovllm.kernels import triton_attention as tb
 
-    cases = [("decode B=256 ctx~1100 bs=256", decode_rows(256, 1000, 1200), 256),
-             ("decode B=256 ragged ctx 100-2000 bs=256", decode_rows(256, 100, 2000), 256),
-             ("decode B=32 ctx=4096 bs=256", [(1, 4096)] * 32, 256),
-             ("prefill 8x512 bs=256", [(512, 512)] * 8, 256),
-             ("mixed 1x512 prefill + 255 decode ~1100", [(512, 512)]
-              + decode_rows(255, 1000, 1200), 256)]
+    cases = [(f"{name} bs={bs}", rows, bs) for bs in block_sizes for name, rows in (
+        ("decode B=256 ctx~1100", decode_rows(256, 1000, 1200)),
+        ("decode B=256 ragged ctx 100-2000", decode_rows(256, 100, 2000)),
+        ("decode B=32 ctx=4096", [(1, 4096)] * 32),
+        ("prefill 8x512", [(512, 512)] * 8),
+        ("mixed 1x512 prefill + 255 decode ~1100", [(512, 512)] + decode_rows(255, 1000, 1200)))]
     for case, rows, bs in cases:
         # "-rows": V in rows of positions, as before the engine stored an fp8 V transposed
         for kv in ("bf16", "fp8-token", "fp8-tensor", "fp8-token-rows", "fp8-tensor-rows"):
@@ -289,6 +291,8 @@ def fp8_table(table: Table) -> None:
                 run_triton(table, f"{case} {kv}", "triton", batch,
                            graph=rows[0][0] == 1)
             del batch
+    if not sweeps:
+        return
     print("\n-- fp8 decode splits (* = choose_num_splits), ragged 100-2000")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     auto = tb.choose_num_splits(256, HKV, 4096, sms)
@@ -386,6 +390,8 @@ def main() -> int:
                         help="only bf16 against fp8 caches, and the fp8 decode tile sweep")
     parser.add_argument("--ragged", action="store_true",
                         help="only decode over ragged contexts against the copy bandwidth")
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[256],
+                        help="--fp8: the cache block sizes of its table (the engine's is 16)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -396,7 +402,9 @@ def main() -> int:
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"triton {triton.__version__}; Hq={HQ} Hkv={HKV} D={D} {DTYPE}\n")
     table = Table()
-    parts = ((decode_split_sweep,) if args.splits else (fp8_table,) if args.fp8
+    fp8 = functools.partial(fp8_table, block_sizes=tuple(args.block_sizes), sweeps=not args.quick)
+    fp8.__name__ = "fp8_table"
+    parts = ((decode_split_sweep,) if args.splits else (fp8,) if args.fp8
              else (ragged_table,) if args.ragged
              else (main_table, None if args.quick else sweeps))
     for part in parts:

@@ -4,6 +4,7 @@
     python -m benchmarks.tensor_parallel --shape 0.6b --tp 1 2
     python -m benchmarks.tensor_parallel --quick         # CPU smoke test: tiny model, gloo
     python -m benchmarks.tensor_parallel --all-reduce nccl symm_mem   # TP>1 with each
+    python -m benchmarks.tensor_parallel --latency-only  # batch 1 only (no seed workload)
 
 Each engine runs with its defaults (plus max_model_len 4096, as the seed's bench.py) in a
 child process of its own, one after the other, on random bf16 weights written once:
@@ -54,10 +55,12 @@ def child(args: argparse.Namespace) -> dict:
     vocab = engine_vocab = llm.engine.model_config.vocab_size
     prompts = [[t % vocab for t in p] for p in prompts] if engine_vocab < 10001 else prompts
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outs)
+    tokens, elapsed = 0, float("nan")
+    if not args.latency_only:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.token_ids) for o in outs)
     # batch 1: step the engine by hand to time each token
     engine = llm.engine
     out_len = 32 if quick else 256
@@ -97,6 +100,8 @@ def main() -> None:
                     help="(default: the engine's)")
     ap.add_argument("--all-reduce", nargs="+", default=["nccl"], choices=["nccl", "symm_mem"],
                     help="run each TP>1 size with each of these all-reduces")
+    ap.add_argument("--latency-only", action="store_true",
+                    help="batch-1 latency and agreement only, not the seed workload")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -115,6 +120,7 @@ def main() -> None:
             cmd = [sys.executable, "-m", "benchmarks.tensor_parallel", "--child", str(tp),
                    "--model", str(model), "--result", f.name, "--all-reduce", all_reduce]
             cmd += ["--quick"] if args.quick else []
+            cmd += ["--latency-only"] if args.latency_only else []
             for flag in ("max_num_seqs", "max_num_batched_tokens"):
                 if getattr(args, flag):
                     cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
