@@ -22,7 +22,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None  # None: the model's context, or what the KV cache holds
-    block_size: int = 16
+    # tokens per KV cache block (a power of two). None: 16, or 128 for an fp8 cache read by
+    # the Triton kernels, whose tiles of a transposed fp8 V stay within one block
+    # (engine/resolve.py; BENCHMARKS.md: 1.54x the seed workload's speed over 16)
+    block_size: int | None = None
     num_kv_blocks: int | None = None  # None: sized from kv_cache_gib / gpu_memory_utilization
     kv_cache_gib: float | None = None  # CPU default 2 GiB
     gpu_memory_utilization: float = 0.9
@@ -139,7 +142,8 @@ class EngineConfig:
                 f"it must be >= max_num_seqs={self.max_num_seqs} so every running "
                 "sequence can decode each step",
             )
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (
+                self.block_size < 1 or self.block_size & (self.block_size - 1)):
             bad("block_size", "use a power of two such as 16")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             bad("num_kv_blocks", "use a positive integer, or leave it unset to size it from memory")

@@ -69,9 +69,10 @@ NEG_BIG = tl.constexpr(-1.0e30)
 TARGET_PROGRAMS_PER_SM = 4  # bf16 d128 decode programs fit ~5 per SM (regs and smem)
 MIN_SPLIT_TOKENS = 256  # fewer tokens per split and the partial write + reduce dominate
 MAX_SPLITS = 64
-# decode programs of the longest contexts start first (paged_attention's `longest_first`);
-# off until benchmarks/attention.py --ragged measures its gain on the GPU
-LONGEST_FIRST = False
+# decode programs of the longest contexts start first (paged_attention's `longest_first`):
+# on the H200 the seed's ragged decode contexts read at 1.01 of copy bandwidth with it, 0.88
+# without, and the seed workload runs 1.05x faster (BENCHMARKS.md)
+LONGEST_FIRST = True
 
 
 @dataclass(frozen=True)
@@ -101,11 +102,15 @@ def default_prefill_config(
     return TileConfig(block_m, block_n=32, num_warps=4, num_stages=2)
 
 
-def default_decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+def default_decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
+                          fp8: bool = False) -> TileConfig:
+    """`fp8`: the cache holds fp8 bytes, so a tile of 128 positions moves a bf16 tile of
+    64's bytes (on the H200 the seed workload ran 1.12x faster with them; fp8 V tiles stay
+    within one block, hence the 128-token blocks of an fp8 cache, engine/resolve.py)."""
     if dtype == torch.float32:
         return TileConfig(block_m=16, block_n=32, num_warps=8, num_stages=2)
     if head_dim <= 128:  # bf16 d128: ~91 regs, 39 KB smem, so ~5 programs fit an SM
-        return TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+        return TileConfig(block_m=16, block_n=128 if fp8 else 64, num_warps=4, num_stages=3)
     return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
 
 
@@ -267,7 +272,8 @@ def _load_block_tile(
         raw = tl.load(ptrs, mask=dim_ok, other=0)
     tile = tl.trans(raw.to(tl.float8e4nv, bitcast=True).to(COMPUTE))
     if SCALED:
-        if V_T:  # each position's float32 scale: its 4 bytes in rows HEAD_DIM .. + 3
+        if V_T:  # each position's float32 scale: its 4 bytes in rows HEAD_DIM .. + 3 (a
+            # 128-position tile over 128 threads loads them a byte each: 4 byte loads)
             bits = tl.load(base + HEAD_DIM * stride_d).to(tl.int32)
             for j in tl.static_range(1, 4):
                 bits = bits | (tl.load(base + (HEAD_DIM + j) * stride_d).to(tl.int32)
@@ -632,7 +638,8 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
                    num_splits, cfg, qsl, ctx, bt, order) -> None:
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
-    cfg = cfg or default_decode_config(head_dim, q.dtype)
+    flags = _fp8_flags(k_cache, v_cache, head_dim, q)
+    cfg = cfg or default_decode_config(head_dim, q.dtype, fp8=flags["FP8"])
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, max_context_len,
                                        _num_sms(q.device))
@@ -647,7 +654,6 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
     # run alone at the end; longest first, the last to start are the shortest (LPT order).
     grid = ((num_rows, num_kv_heads, num_splits) if order is None
             else (num_kv_heads * num_splits, num_rows))
-    flags = _fp8_flags(k_cache, v_cache, head_dim, q)
     _decode_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse, qsl, ctx, bt,
         ctx if order is None else order, scale_log2, num_splits,

@@ -162,3 +162,19 @@ def test_step_limits_fit_the_device(monkeypatch):
     assert resolve.fit_kv_cache(resolved, cpu, num_blocks=4000).max_num_seqs == 512
     kept = resolve.fit_kv_cache(resolved, EngineConfig(max_num_seqs=512), num_blocks=10)
     assert kept.max_num_seqs == 512  # asked for: kept
+
+
+def test_block_size_fits_the_cache_format():
+    """block_size: a given one stands; else 16, but 128 for an fp8 cache the Triton kernels
+    read (their fp8 tiles stay within one block, so 16-token blocks are 16-token tiles)."""
+    from nanovllm.engine import resolve
+
+    def size(cuda=True, attention="triton", **kwargs):
+        return resolve._block_size(EngineConfig(**kwargs), attention, cuda)
+
+    assert size() == size(kv_cache_dtype="auto") == resolve.BLOCK_SIZE == 16
+    assert size(kv_cache_dtype="fp8") == resolve.FP8_BLOCK_SIZE == 128
+    assert size(kv_cache_dtype="fp8", cuda=False, attention="torch") == 16
+    assert size(kv_cache_dtype="fp8", attention="torch") == 16
+    assert size(kv_cache_dtype="fp8", block_size=16) == 16
+    assert size(block_size=256) == 256

@@ -33,13 +33,16 @@ def test_attention_kernels_compile_for_sm90_with_vector_loads():
     errors = [f"{r['kernel']} ({r['case']}): {r['error']}" for r in results if "error" in r]
     assert not errors, "\n".join(errors)
     for r in results:
-        # no byte loads; but the store, one token a program, may pass the 4 bytes of each
-        # head's scale through shared memory when it writes them as rows of a V cache
-        # stored transposed
+        # no tile loaded a byte at a time (128 byte loads a tile, when it was); but the
+        # store, one token a program, may pass the 4 bytes of each head's scale through
+        # shared memory when it writes them as rows of a V cache stored transposed, and a
+        # decode tile of 128 positions over 128 threads loads each position's scale from
+        # those 4 rows a byte each (4 loads)
         byte_loads = sum(n for op, n in r["loads"].items()
                          if op.endswith((".b8", ".u8", ".s8"))
                          and not (r["kernel"] == "_store_kv_kernel" and "shared" in op))
-        assert byte_loads == 0, f"{r['kernel']} ({r['case']}) loads bytes: {r['loads']}"
+        allowed = 4 if r["case"] == "fp8-token" and r["kernel"] != "_store_kv_kernel" else 0
+        assert byte_loads <= allowed, f"{r['kernel']} ({r['case']}) loads bytes: {r['loads']}"
         if r["kernel"] in ("_decode_kernel", "_prefill_kernel"):
             # the tiles are pipelined through shared memory with 16-byte async copies
             assert r["loads"].get("cp.async.cg.shared.global", 0) > 0, r
@@ -47,7 +50,8 @@ def test_attention_kernels_compile_for_sm90_with_vector_loads():
             # an fp8 decode tile crosses shared memory once, as bytes, and is converted in
             # registers: as few shared stores as the bf16 kernel's (its query and output;
             # converting in a blocked layout and re-laying out through shared memory, as a
-            # select on the tile makes the compiler do, stores 22)
+            # select on the tile makes the compiler do, stores 22); with a scale per
+            # position, one more: the V scales, a vector, re-laid out for P's layout
             bf16 = next(x for x in results if x["kernel"] == r["kernel"]
                         and x["case"] == "bf16")
-            assert r["stores"] <= bf16["stores"], (r, bf16)
+            assert r["stores"] <= bf16["stores"] + (r["case"] == "fp8-token"), (r, bf16)

@@ -8,12 +8,11 @@ import time
 
 import pytest
 
-from nanovllm.core.config import EngineConfig
+from nanovllm.engine.resolve import BLOCK_SIZE  # the session server's (CPU): no --block-size
 from tests.server.harness import async_client, metric, post, scrape, wait_idle
 
 pytestmark = pytest.mark.slow
 
-BLOCK_SIZE = EngineConfig().block_size  # the session server's: it sets no --block-size
 TTFT = "nanovllm:time_to_first_token_seconds"
 E2E = "nanovllm:e2e_request_latency_seconds"
 

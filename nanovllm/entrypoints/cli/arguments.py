@@ -78,7 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     opt("max_num_batched_tokens", type=int, metavar="N",
         help="most tokens in one step (default: 2048 on the CPU; on a GPU 16384, 8192 under "
         "40 GiB)")
-    opt("block_size", type=int, metavar="N", help="tokens per KV cache block, a power of two")
+    opt("block_size", type=int, metavar="N", help="tokens per KV cache block, a power of two "
+        "(default: 16; 128 for an fp8 cache on a GPU)")
     opt("num_kv_blocks", "--num-kv-blocks", "--num-gpu-blocks-override", type=int, metavar="N",
         help="KV cache blocks (default: sized from --kv-cache-gib or "
         "--gpu-memory-utilization)")
