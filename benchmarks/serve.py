@@ -174,31 +174,51 @@ def report_server_cpu(before: dict, after: dict, run: dict) -> None:
     print("       server CPU: " + "; ".join(parts))
 
 
-def engine_steps(base_url: str, headers: dict) -> tuple[float, float] | None:
-    """(steps, steps with prompt tokens) the server's engines have run, from /metrics (all
-    replicas); None when it does not say."""
+LOOP_PHASES = ("idle", "receive", "schedule", "launch", "wait", "postprocess", "send")
+
+
+def engine_counters(base_url: str, headers: dict) -> dict[str, float] | None:
+    """The server's engine counters from /metrics, summed over replicas: "steps",
+    "prefill_steps" and the engine loop's seconds per phase (LOOP_PHASES); None when it
+    does not say."""
     try:
         text = httpx.get(base_url + "/metrics", headers=headers, timeout=30).text
     except httpx.HTTPError:
         return None
-    found = {"nanovllm:engine_steps_total": 0.0, "nanovllm:engine_prefill_steps_total": 0.0}
-    seen = False
+    keys = {"nanovllm:engine_steps_total": "steps",
+            "nanovllm:engine_prefill_steps_total": "prefill_steps"}
+    found: dict[str, float] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in found:
-            found[name] += float(line.rsplit(" ", 1)[1])
-            seen = True
-    return tuple(found.values()) if seen else None
+        key = keys.get(name)
+        if name == "nanovllm:engine_loop_seconds_total":
+            key = line.split('phase="', 1)[1].split('"', 1)[0]
+        if key is not None:
+            found[key] = found.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found or None
+
+
+def loop_line(seconds: dict[str, float], wall: float) -> str:
+    """Where the engine's wall time went, per phase, as seconds and a share of `wall`."""
+    parts = [f"{p} {seconds[p]:.2f}" for p in LOOP_PHASES if p in seconds]
+    return f"{', '.join(parts)} s of {wall:.2f} s"
 
 
 def report_steps(before, after, run: dict) -> None:
-    """The engine steps a run took: with the offline run's, whether serving split the same
-    work into more (smaller) steps."""
+    """The engine steps a run took (with the offline run's: whether serving split the same
+    work into more, smaller steps) and where the engine process's time went: wait is the
+    time the host had nothing to do but wait for the device, so a host-bound engine shows
+    little wait and much of the other phases, and a starved one shows idle time."""
     if before is None or after is None:
         return
-    run["engine_steps"], run["engine_prefill_steps"] = (a - b for a, b in zip(after, before))
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    run["engine_steps"], run["engine_prefill_steps"] = delta["steps"], delta["prefill_steps"]
     print(f"       engine steps: {run['engine_steps']:.0f} "
           f"({run['engine_prefill_steps']:.0f} with prompt tokens)")
+    loop = {p: delta[p] for p in LOOP_PHASES if p in delta}
+    if loop:
+        run["engine_loop_s"] = loop
+        print(f"       engine loop: {loop_line(loop, run['duration_s'])}")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -229,14 +249,16 @@ def run_offline(
     ]
     warm = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=4)
     llm.generate([r.prompt for r in warm_reqs], warm, use_tqdm=False)  # as the server's
-    times, steps = [], []
+    times, steps, loops = [], [], []
     engine = llm.engine
     for _ in range(runs):
         start = time.perf_counter()
         steps0, prefill0 = engine.num_steps, engine.num_prefill_steps
+        timing0 = dict(engine.timing)
         outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
         times.append(time.perf_counter() - start)
         steps.append((engine.num_steps - steps0, engine.num_prefill_steps - prefill0))
+        loops.append({p: engine.timing[p] - timing0[p] for p in engine.timing})
         # each run computes every prompt (not an assert: `python -O` would skip the reset)
         if not llm.engine.block_manager.reset_prefix_cache():
             raise RuntimeError("KV blocks still in use after generate(); cannot reset the cache")
@@ -249,6 +271,8 @@ def run_offline(
         "output_throughput": tokens / elapsed,
         "throughputs": [tokens / t for t in times],
         "engine_steps": steps,  # (steps, steps with prompt tokens) per run
+        "engine_loop_s": loops,  # seconds per phase (LOOP_PHASES) per run
+        "elapsed_each_s": times,
         "request_throughput": len(reqs) / elapsed,
     }
 
@@ -323,12 +347,12 @@ def main() -> None:
         runs = []
         for rate, rate_set in zip(rates, rate_reqs):
             before = process_cpu(proc.pid, log) if proc is not None else {}
-            steps = engine_steps(base_url, headers)
+            counters = engine_counters(base_url, headers)
             runs.append(run_rate(args, base_url, model, rate_set, rate))
             print_table(runs[-1:])
             if before:
                 report_server_cpu(before, process_cpu(proc.pid, log), runs[-1])
-            report_steps(steps, engine_steps(base_url, headers), runs[-1])
+            report_steps(counters, engine_counters(base_url, headers), runs[-1])
     finally:
         if proc is not None:
             stop(proc)
@@ -338,6 +362,8 @@ def main() -> None:
         each = ", ".join(f"{t:.1f}" for t in offline["throughputs"])
         steps = ", ".join(f"{a} ({b} with prompt tokens)" for a, b in offline["engine_steps"])
         print(f"offline LLM.generate: {each} output tok/s; engine steps {steps}")
+        for loop, wall in zip(offline["engine_loop_s"], offline["elapsed_each_s"]):
+            print(f"       offline engine: {loop_line(loop, wall)}")
     print()
     print_table(runs)
     report = {

@@ -46,7 +46,7 @@ case "$stage" in
         --launch "--model $MODEL --max-num-seqs 256 --max-model-len 4096 --max-num-waiting 4096 $extra" \
         --rates inf,inf --num-prompts 256 --input-len 512 --output-len 256 --range-ratio 0.5 \
         --client-procs 4 --offline --offline-runs 2 --out "$OUT/$name.json" 2>&1 \
-        | grep -E "server CPU|engine steps|^ +inf|offline|best" | tee "$OUT/$name.log"
+        | grep -E "server CPU|engine steps|engine loop|^ +inf|offline|best" | tee "$OUT/$name.log"
     done ;;
   dp)
     MODEL=$(model)
@@ -58,7 +58,7 @@ case "$stage" in
         --launch "--model $MODEL --max-num-seqs 256 --max-model-len 4096 --max-num-waiting 4096 $flags" \
         --rates inf,inf --num-prompts 2048 --input-len 512 --output-len 256 --range-ratio 0.5 \
         --client-procs 8 --out "$OUT/$name.json" 2>&1 \
-        | grep -E "server CPU|engine steps|^ +inf" | tee "$OUT/$name.log"
+        | grep -E "server CPU|engine steps|engine loop|^ +inf" | tee "$OUT/$name.log"
     done ;;
   *)
     echo "unknown stage $stage: tests, kernels, tp, serve or dp" >&2

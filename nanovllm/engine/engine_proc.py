@@ -57,6 +57,7 @@ from nanovllm.engine.messages import (
 )
 from nanovllm.engine.outbox import Outbox
 from nanovllm.engine.outputs import RequestOutput
+from nanovllm.engine.step_times import StepTimes
 
 log = logging.getLogger("nanovllm.engine")
 
@@ -138,13 +139,16 @@ class EngineLoop:
         self._last_gen = 0
         self.prompt_tokens = 0  # of accepted requests
         self._finish_times: deque[float] = deque()  # completions ended, for retry_after
+        self.times = StepTimes(("idle", "receive", "send"))  # between steps (EngineStats)
 
     # ---- the loop ---------------------------------------------------------------------
 
     def run(self) -> None:
         engine, outboxes, conns = self.engine, self.outboxes, self.conns
         index = {c: i for i, c in enumerate(conns)}
+        times = self.times.totals
         while self.running:
+            start = time.perf_counter()
             busy = engine.has_unfinished_requests()
             # between steps, take everything that arrived; when idle, sleep on the pipes (in
             # short naps while Deltas wait for a front end to make room for them)
@@ -160,14 +164,17 @@ class EngineLoop:
                     for c in ready:
                         self._handle(c.recv(), index[c])
                     timeout = 0.0
+            times["receive" if busy else "idle"] += time.perf_counter() - start
             self._expire()
             if engine.has_unfinished_requests():
                 outs = engine.step()
                 if outs:
-                    self._send_outputs(outs)
-            for outbox in outboxes:
-                if outbox.pending:
-                    outbox.flush()
+                    with self.times("send"):
+                        self._send_outputs(outs)
+            with self.times("send"):
+                for outbox in outboxes:
+                    if outbox.pending:
+                        outbox.flush()
             self._maybe_log()
         for outbox in outboxes:
             outbox.flush(timeout=1.0)
@@ -306,6 +313,7 @@ class EngineLoop:
             tokens_per_s=self._rate(),
             num_steps=e.num_steps,
             num_prefill_steps=e.num_prefill_steps,
+            loop_seconds={**self.times.totals, **e.timing},
         )
 
     def _rate(self) -> float:

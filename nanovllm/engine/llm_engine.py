@@ -17,6 +17,7 @@ from nanovllm.core.validation import as_token_ids, check_prompt
 from nanovllm.engine.output_processor import OutputProcessor, Request
 from nanovllm.engine.outputs import RequestOutput
 from nanovllm.engine.resolve import fit_kv_cache, resolve_config
+from nanovllm.engine.step_times import StepTimes
 from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.model.config import ModelConfig
 from nanovllm.model.loader.source import open_model
@@ -276,23 +277,3 @@ class LLMEngine:
                 for seq in req.seqs:
                     del self._owner[seq.seq_id]
         return outputs
-
-
-class StepTimes:
-    """Where step() spends its wall time, as running totals in seconds: host work
-    (schedule, launch, postprocess) against waiting for the device (wait)."""
-
-    def __init__(self) -> None:
-        self.totals = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "postprocess": 0.0}
-        self._phase = ""
-        self._start = 0.0
-
-    def __call__(self, phase: str) -> "StepTimes":
-        self._phase = phase
-        return self
-
-    def __enter__(self) -> None:
-        self._start = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        self.totals[self._phase] += time.perf_counter() - self._start

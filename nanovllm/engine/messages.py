@@ -185,6 +185,11 @@ class EngineStats:
     tokens_per_s: float  # generated since the last status line
     num_steps: int = 0  # engine steps run
     num_prefill_steps: int = 0  # of those, steps with prompt tokens (prefill or mixed)
+    # the engine process's wall time by phase, in seconds since it started: between steps
+    # idle (no work: asleep on the pipes), receive (taking messages while there is work),
+    # send (Deltas to the front ends); within steps schedule, launch, wait (for the device),
+    # postprocess (LLMEngine.timing)
+    loop_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,37 @@ def test_prefix_cache_hits_grow_by_exactly_the_cached_tokens(server, model):
         assert _delta(after, before, "nanovllm:engine_prefill_steps") == 1
 
 
+def test_engine_loop_seconds_account_for_the_engine_process_time(server, model):
+    """nanovllm:engine_loop_seconds{phase}: between two scrapes the phases add up to the
+    time between them (the loop is always in one); idle, only idle and receive grow; a
+    request's steps show up as schedule, launch, wait, postprocess and send."""
+    phases = ("idle", "receive", "schedule", "launch", "wait", "postprocess", "send")
+
+    def loop(samples):
+        return {p: metric(samples, "nanovllm:engine_loop_seconds", phase=p) for p in phases}
+
+    wait_idle(server)
+    start = time.perf_counter()
+    before = scrape(server)
+    inner_start = time.perf_counter()
+    time.sleep(1.0)
+    inner_end = time.perf_counter()
+    after = scrape(server)
+    end = time.perf_counter()
+    grown = {p: b - a for (p, a), b in zip(loop(before).items(), loop(after).values())}
+    assert inner_end - inner_start <= sum(grown.values()) <= end - start, grown
+    assert grown["idle"] >= 0.9 * (inner_end - inner_start), grown
+    assert all(grown[p] == 0 for p in ("schedule", "launch", "wait", "postprocess")), grown
+
+    before = wait_idle(server)
+    post(server, "/v1/completions", dict(model=model, prompt=_prompt(seed=4, n=40),
+                                         max_tokens=8, temperature=0, ignore_eos=True))
+    after = wait_idle(server)
+    grown = {p: b - a for (p, a), b in zip(loop(before).items(), loop(after).values())}
+    assert all(grown[p] > 0 for p in ("schedule", "launch", "postprocess", "send")), grown
+    assert _delta(after, before, "nanovllm:engine_steps") == 8
+
+
 def test_kv_cache_usage_while_a_stream_runs(server, client, model):
     """Mid-stream the KV cache holds at least the prompt's blocks, and kv_cache_usage_perc is
     the used fraction of the blocks /metrics counts; idle, it is 0 again."""

@@ -94,6 +94,17 @@ class _EngineCollector:
                 copies.add_metric([name, str(i), kind], ev[kind])
         yield hits
         yield copies
+        loop = CounterMetricFamily(
+            "nanovllm:engine_loop_seconds",
+            "The engine process's wall time by phase: idle (no work), receive (messages "
+            "while working), schedule, launch, wait (for the device), postprocess, send "
+            "(outputs to the front ends).",
+            labels=["model_name", "replica", "phase"],
+        )
+        for i, s in snaps:
+            for phase, seconds in s.loop_seconds.items():
+                loop.add_metric([name, str(i), phase], seconds)
+        yield loop
 
 
 def _family(cls, metric: str, doc: str, model: str, snaps, key: str):

@@ -1,0 +1,25 @@
+"""Running totals of wall time by phase (no torch: the server's engine loop uses it too)."""
+
+import time
+
+
+class StepTimes:
+    """Where step() spends its wall time, as running totals in seconds: host work
+    (schedule, launch, postprocess) against waiting for the device (wait). The server's
+    engine loop keeps one of its own for the time between steps (engine_proc.py)."""
+
+    def __init__(self, phases: tuple[str, ...] = ("schedule", "launch", "wait",
+                                                   "postprocess")) -> None:
+        self.totals = dict.fromkeys(phases, 0.0)
+        self._phase = ""
+        self._start = 0.0
+
+    def __call__(self, phase: str) -> "StepTimes":
+        self._phase = phase
+        return self
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.totals[self._phase] += time.perf_counter() - self._start
