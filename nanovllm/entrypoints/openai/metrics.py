@@ -67,44 +67,34 @@ class _EngineCollector:
             yield _family(GaugeMetricFamily, metric, doc, name, snaps, key)
         for key, (metric, doc) in _COUNTERS.items():
             yield _family(CounterMetricFamily, metric, doc, name, snaps, key)
-        done = CounterMetricFamily(
-            "nanovllm:request_success",
-            "Finished requests by finish reason.",
-            labels=["model_name", "replica", "finished_reason"],
-        )
-        for i, s in snaps:
-            for reason, count in s.finished.items():
-                done.add_metric([name, str(i), reason], count)
-        yield done
-        hits = CounterMetricFamily(
+        yield _by_label(
+            "nanovllm:request_success", "Finished requests by finish reason.",
+            "finished_reason", name, snaps, lambda s: s.finished)
+        yield _by_label(
             "nanovllm:prefix_cache_hit_blocks",
             "Cached prefix blocks of admitted prompts, by tier (host: copied back).",
-            labels=["model_name", "replica", "tier"],
-        )
-        copies = CounterMetricFamily(
+            "tier", name, snaps, lambda s: {"device": s.kv_block_events["hit_device"],
+                                            "host": s.kv_block_events["hit_host"]})
+        yield _by_label(
             "nanovllm:kv_blocks_copied",
             "KV blocks copied between the device and the host tier, by why.",
-            labels=["model_name", "replica", "kind"],
-        )
-        for i, s in snaps:
-            ev = s.kv_block_events
-            hits.add_metric([name, str(i), "device"], ev["hit_device"])
-            hits.add_metric([name, str(i), "host"], ev["hit_host"])
-            for kind in ("swapped_out", "swapped_in", "offloaded"):
-                copies.add_metric([name, str(i), kind], ev[kind])
-        yield hits
-        yield copies
-        loop = CounterMetricFamily(
+            "kind", name, snaps, lambda s: {k: s.kv_block_events[k] for k in
+                                            ("swapped_out", "swapped_in", "offloaded")})
+        yield _by_label(
             "nanovllm:engine_loop_seconds",
             "The engine process's wall time by phase: idle (no work), receive (messages "
             "while working), schedule, launch, wait (for the device), postprocess, send "
             "(outputs to the front ends).",
-            labels=["model_name", "replica", "phase"],
-        )
-        for i, s in snaps:
-            for phase, seconds in s.loop_seconds.items():
-                loop.add_metric([name, str(i), phase], seconds)
-        yield loop
+            "phase", name, snaps, lambda s: s.loop_seconds)
+
+
+def _by_label(metric: str, doc: str, label: str, model: str, snaps, values):
+    """A counter with one sample per replica and per key of `values(snapshot)`."""
+    family = CounterMetricFamily(metric, doc, labels=["model_name", "replica", label])
+    for i, s in snaps:
+        for key, value in values(s).items():
+            family.add_metric([model, str(i), key], value)
+    return family
 
 
 def _family(cls, metric: str, doc: str, model: str, snaps, key: str):
