@@ -3,12 +3,17 @@ a shared-prefix workload: prefix-cache hit rate and TTFT.
 
     python -m benchmarks.router                       # 2 CPU servers, the default model
     python -m benchmarks.router --launch "--device cuda --max-num-seqs 256" --workers 2
+    python -m benchmarks.router --worker-cache-docs 0 # each server's KV cache as it sizes it
 
 For each policy: --workers fresh `nanovllm serve` processes (each with --launch's flags),
 then `python -m sglang_router.launch_router --policy P` in front of them, then the same
 requests: --docs documents of about --doc-words words, --requests requests, each a document
 (a seeded random draw) and its own question, sent --concurrency at a time through the
-router, streamed, --max-tokens tokens each. The hit rate is the servers' own count
+router, streamed, --max-tokens tokens each. Each server's KV cache holds about
+--worker-cache-docs documents' prompts (default: its share, --docs / --workers), so the
+documents fit in the servers' caches together but not in one: the case a cache-aware router
+is for (with 0, each server sizes its cache itself, and on a CPU it holds every document).
+The hit rate is the servers' own count
 (nanovllm:prefix_cache_hits / nanovllm:prefix_cache_queries from each /metrics, summed): the
 share of prompt tokens served from a prefix cache. TTFT is timed at the client.
 """
@@ -16,6 +21,7 @@ share of prompt tokens served from a prefix cache. TTFT is timed at the client.
 import argparse
 import asyncio
 import json
+import math
 import random
 import shlex
 import statistics
@@ -38,6 +44,23 @@ def counter(text: str, name: str) -> float:
         if line.startswith(name + "_total") or line.startswith(name + "{"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def cache_blocks(launch: list[str], prompts: list[str], docs: int, concurrency: int) -> int:
+    """KV blocks for `docs` documents' prompts (their mean length in the served model's
+    tokens, chat template included) plus a block for each request running at once."""
+    from nanovllm.engine.resolve import BLOCK_SIZE
+    from nanovllm.engine.tokenizer import load_tokenizer
+    from nanovllm.model.loader.source import open_model
+
+    def flag(name: str, default):
+        return launch[launch.index(name) + 1] if name in launch else default
+
+    tok = load_tokenizer(open_model(flag("--model", None)))
+    block_size = int(flag("--block-size", BLOCK_SIZE))
+    tokens = statistics.mean(
+        len(tok.render_chat([{"role": "user", "content": p}])) for p in prompts)
+    return math.ceil(docs * tokens / block_size) + concurrency
 
 
 def documents(n: int, words: int, seed: int) -> list[str]:
@@ -118,6 +141,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--worker-cache-docs", type=int, default=None,
+                    help="size each server's KV cache for about this many documents "
+                    "(default: --docs / --workers; 0: the server's own sizing)")
     ap.add_argument("--policies", default="cache_aware,round_robin")
     ap.add_argument("--out", help="write the figures to this JSON file")
     args = ap.parse_args()
@@ -126,6 +152,14 @@ def main() -> None:
     rng = random.Random(1)
     prompts = [f"{rng.choice(docs)}\n\nQuestion {i}: summarize the text above in one line."
                for i in range(args.requests)]
+    cache_docs = args.docs // args.workers if args.worker_cache_docs is None \
+        else args.worker_cache_docs
+    launch = shlex.split(args.launch)
+    if cache_docs and "--num-kv-blocks" not in launch:
+        blocks = cache_blocks(launch, prompts, cache_docs, args.concurrency)
+        args.launch += f" --num-kv-blocks {blocks}"
+        print(f"each server's KV cache: {blocks} blocks, about {cache_docs} of the "
+              f"{args.docs} documents")
     logs = Path(tempfile.mkdtemp(prefix="nanovllm-router-"))
     results = [run_policy(p, args, prompts, logs) for p in args.policies.split(",")]
     print(f"{args.requests} requests over {args.docs} documents of {args.doc_words} words, "
