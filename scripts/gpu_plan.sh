@@ -6,10 +6,10 @@
 #   bash scripts/gpu_plan.sh kernels  # attention: fp8 layouts vs bf16, ragged decode vs copy
 #                                     # bandwidth; the seed workload with bf16 and fp8 caches
 #   bash scripts/gpu_plan.sh tp       # TP=1 vs TP=2 (NCCL, symmetric-memory all-reduce), 8B
-#   bash scripts/gpu_plan.sh serve    # saturated server vs offline: plain, --mixed-graphs,
-#                                     # --api-server-count 2 (steps, engine loop phases,
-#                                     # CPU per process)
-#   bash scripts/gpu_plan.sh dp       # DP=1 vs DP=2, one and two front ends, 2,048 prompts
+#   bash scripts/gpu_plan.sh serve    # saturated server vs offline: one front end, the
+#                                     # defaults (two), --mixed-graphs (steps, engine loop
+#                                     # phases, CPU per process)
+#   bash scripts/gpu_plan.sh dp       # DP=1 vs DP=2, two and four front ends, 2,048 prompts
 # Logs go to $OUT (or ./gpu-out).
 set -u
 stage=${1:?"which stage: tests, kernels, tp, serve or dp"}
@@ -42,7 +42,7 @@ case "$stage" in
       --out "$OUT/tp.json" 2>&1 | grep -v " INFO " | tee "$OUT/tp.log" | tail -12 ;;
   serve)
     MODEL=$(model)
-    for extra in "" "--mixed-graphs" "--api-server-count 2"; do
+    for extra in "--api-server-count 1" "" "--mixed-graphs"; do  # "": 2 front ends on a GPU
       name=serve${extra:+-$(echo "$extra" | tr -cd 'a-z-' | sed 's/^-*//')}
       echo "== nanovllm serve $extra"
       timeout 170 python3 -m benchmarks.serve \
@@ -54,7 +54,7 @@ case "$stage" in
   dp)
     MODEL=$(model)
     for flags in "--data-parallel-size 1" "--data-parallel-size 2" \
-                 "--data-parallel-size 2 --api-server-count 2"; do
+                 "--data-parallel-size 2 --api-server-count 4"; do  # default: 2 front ends
       name=dp-$(echo "$flags" | tr -cd '0-9')
       echo "== nanovllm serve $flags"
       timeout 190 python3 -m benchmarks.serve \

@@ -1,6 +1,7 @@
 """`nanovllm serve`: the OpenAI-compatible HTTP server (entrypoints/openai runs it)."""
 
 import argparse
+import glob
 import os
 import tempfile
 
@@ -42,15 +43,31 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="engine processes behind this server, one per GPU (or a share of the "
                    "CPU each); each request goes to the one caching its prompt's prefix "
                    "unless that one is busier than the others")
-    g.add_argument("--api-server-count", type=int, metavar="N", default=1,
+    g.add_argument("--api-server-count", type=int, metavar="N", default=None,
                    help="front-end processes sharing the port (HTTP, tokenizing, streaming), "
-                   "each talking to every engine process: for when one front end's core "
-                   "cannot stream what the engines generate (data parallelism)")
+                   "each talking to every engine process, for when one front end's core "
+                   "cannot stream what the engines generate (default: 2 when the engines "
+                   "run on a GPU, 1 on a CPU)")
     g.add_argument("--log-interval", type=float, metavar="SECONDS", default=10.0,
                    help="time between the engine's status lines")
 
 
+def default_api_server_count(device: str) -> int:
+    """2 front ends for engines on a GPU (on an H200 one front end streamed 0.87 of offline's
+    tokens at 1,024 prompts, two 0.94: BENCHMARKS.md), 1 on a CPU, whose cores the engine
+    needs. The front end does not load torch, so "auto" looks for an NVIDIA device as torch
+    would find one: the driver's device files, unless CUDA_VISIBLE_DEVICES hides them all."""
+    if device != "auto":
+        return 2 if device == "cuda" else 1
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return 1
+    return 2 if glob.glob("/dev/nvidia[0-9]*") else 1
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.api_server_count is None:
+        args.api_server_count = default_api_server_count(args.device)
     if args.api_server_count > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # several front ends share their metrics through files; prometheus_client reads
         # where when it is first imported, just below (front_ends.METRICS_DIR_PREFIX)
