@@ -2,6 +2,7 @@
 and any host<->device synchronization inside the step loop.
 
     python -m benchmarks.profile_step [--model DIR] [--steps 20] [--no-overlap]
+                                      [--kv-cache-dtype fp8]
 
 Runs 256 requests of the offline workload's shape until prefill is over, then profiles
 `--steps` decode steps with torch.profiler and CUDA's sync debug mode. (Its draws are
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--num-seqs", type=int, default=256, help="rows in the profiled decode")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     args = ap.parse_args()
     import json
     from pathlib import Path
@@ -35,7 +37,7 @@ def main() -> None:
     cfg = json.loads(QWEN3_CONFIG.read_text())
     path = args.model or str(build_random_model(cfg, Path("/tmp/nanovllm-qwen3-0.6b-random"))[0])
     llm = LLM(path, max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
-              overlap=not args.no_overlap)
+              overlap=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     random.seed(0)
     for _ in range(args.num_seqs):

@@ -5,6 +5,7 @@
 #   bash scripts/gpu_plan.sh tests    # every GPU test, two-GPU tensor parallelism included
 #   bash scripts/gpu_plan.sh kernels  # attention: fp8 layouts vs bf16, ragged decode vs copy
 #                                     # bandwidth; the seed workload with bf16 and fp8 caches
+#   bash scripts/gpu_plan.sh profile  # a decode step's kernels by time, bf16 and fp8 caches
 #   bash scripts/gpu_plan.sh tp       # TP=1 vs TP=2 (NCCL, symmetric-memory all-reduce), 8B
 #   bash scripts/gpu_plan.sh serve    # saturated server vs offline: one front end, the
 #                                     # defaults (two), --mixed-graphs (steps, engine loop
@@ -12,7 +13,7 @@
 #   bash scripts/gpu_plan.sh dp       # DP=1 vs DP=2, two and four front ends, 2,048 prompts
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, tp, serve or dp"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve or dp"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -36,6 +37,11 @@ case "$stage" in
       # shellcheck disable=SC2086
       timeout 150 python3 -m benchmarks.offline --no-peer $flags --out "$OUT/$name.json" 2>&1 \
         | tee "$OUT/$name.log" | tail -12
+    done ;;
+  profile)
+    for dtype in auto fp8; do
+      timeout 200 python3 -m benchmarks.profile_step --kv-cache-dtype $dtype 2>&1 \
+        | tee "$OUT/profile-$dtype.log" | tail -40
     done ;;
   tp)
     timeout 560 python3 -m benchmarks.tensor_parallel --shape 8b --all-reduce nccl symm_mem \
@@ -64,6 +70,6 @@ case "$stage" in
         | grep -E "server CPU|engine steps|engine loop|^ +inf" | tee "$OUT/$name.log"
     done ;;
   *)
-    echo "unknown stage $stage: tests, kernels, tp, serve or dp" >&2
+    echo "unknown stage $stage: tests, kernels, profile, tp, serve or dp" >&2
     exit 2 ;;
 esac
