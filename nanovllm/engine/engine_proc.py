@@ -85,9 +85,12 @@ def start_engine(
 def run_engine_loop(conns: list[Connection], config: EngineProcessConfig) -> None:
     """The engine process's main: load the model, report Ready (or Fatal) to every front
     end, serve the pipes."""
-    # a terminal's Ctrl-C reaches the whole process group: the front end stops this process
-    # (Shutdown, or its pipe closing), so an interrupt here would only print a traceback
+    # The front end stops this process (Shutdown, or its pipe closing). A terminal's Ctrl-C
+    # reaches the whole process group, and so does a supervisor's SIGTERM (systemd's
+    # default KillMode): ending here on either would fail the requests the front ends are
+    # still draining (an interrupt would only print a traceback). SIGKILL still ends it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

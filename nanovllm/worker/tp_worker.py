@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 
 import torch
@@ -35,10 +36,15 @@ log = logging.getLogger("nanovllm")
 
 
 def _watch_parent() -> None:
-    """A rank that rank 0 started (NANOVLLM_PARENT_FD): exit once rank 0 is gone."""
+    """A rank that rank 0 started (NANOVLLM_PARENT_FD): exit once rank 0 is gone, and not
+    before it says so. A Ctrl-C or a supervisor's SIGTERM reaches the whole process group,
+    this rank too; rank 0 (or the server's front end above it) stops in its own time and
+    then stops this rank, so neither signal ends it here (SIGKILL still does)."""
     fd = os.environ.get("NANOVLLM_PARENT_FD")
     if fd is None:
         return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def wait() -> None:
         try:

@@ -13,6 +13,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tests.cli.process import finish, read_until, run_cli, start_cli
+from tests.support import build_tiny_model
 
 
 def _one_error_line(proc) -> str:
@@ -103,6 +104,20 @@ def test_ctrl_c_ends_quietly_with_status_130(tiny_llama):
     proc.send_signal(signal.SIGINT)
     status, out, err = finish(proc)
     assert status == 130 and err == "" and (first + out).endswith("\n"), (first, out, err)
+
+
+def test_ctrl_c_to_the_process_group_under_tensor_parallelism(tmp_path):
+    """A terminal's Ctrl-C reaches every process of the group, the rank that rank 0 started
+    too: rank 0 stops it in its own time, so the command still ends quietly with 130 (a
+    rank ending on the signal itself made it "rank 1 exited with code 130", status 2)."""
+    model = build_tiny_model(tmp_path / "model", "llama", max_position_embeddings=16384)
+    proc = start_cli("generate", "hi", "--raw", "--model", str(model), "--device", "cpu",
+                     "-tp", "2", "--max-model-len", "16384", "--ignore-eos",
+                     "--max-tokens", "16000", group=True)
+    first = read_until(proc.stdout).decode(errors="replace")
+    os.killpg(proc.pid, signal.SIGINT)
+    status, out, err = finish(proc)
+    assert status == 130 and err == "" and (first + out).endswith("\n"), (status, err)
 
 
 def test_a_ctrl_c_python_drops_while_loading_still_stops(capsys, monkeypatch):

@@ -86,7 +86,7 @@ class EngineClient:
         try:
             info = _ready(conns[0], proc)
         except BaseException:
-            proc.terminate()
+            proc.kill()  # it ignores SIGTERM (run_engine_loop)
             proc.join(5)
             raise
         return cls(proc, conns[0], info, conns[1:])
@@ -151,9 +151,9 @@ class EngineClient:
             self._send(Shutdown())
         self._outbox.put(None)
         self.proc.join(timeout)
-        if self.proc.is_alive():
-            log.warning("the engine process did not exit in %.0f s; terminating it", timeout)
-            self.proc.terminate()
+        if self.proc.is_alive():  # it ignores SIGTERM (run_engine_loop)
+            log.warning("the engine process did not exit in %.0f s; killing it", timeout)
+            self.proc.kill()
             self.proc.join(5)
 
     # ---- the pipe --------------------------------------------------------------------
