@@ -62,7 +62,7 @@ class EngineConfig:
     # CUDA graphs for prefill+decode steps too, over a ladder of token counts up to
     # MIXED_GRAPH_MAX_TOKENS (worker/cuda_graph.py); needs CUDA graphs and the Triton
     # attention (whose launches read the step's lengths on the device). Off by default until
-    # a benchmark shows its gain (BENCHMARKS.md: none offline)
+    # a benchmark shows its gain (BENCHMARKS.md: none offline, none saturated serving)
     mixed_graphs: bool = False
     # Triton norms/RoPE/SiLU and one-pass sampler. None: on CUDA. True on a CPU needs
     # Triton's interpreter (TRITON_INTERPRET=1; tests). Takes precedence over torch_compile.
