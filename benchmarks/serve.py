@@ -198,10 +198,16 @@ def engine_counters(base_url: str, headers: dict) -> dict[str, float] | None:
     return found or None
 
 
+STEP_PHASES = ("schedule", "launch", "wait", "postprocess")  # LLMEngine.step's own
+
+
 def loop_line(seconds: dict[str, float], wall: float) -> str:
-    """Where the engine's wall time went, per phase, as seconds and a share of `wall`."""
+    """Where the engine's wall time went, per phase, out of `wall`; first the time inside
+    its steps, which served and offline runs of the same work should share (if they do,
+    what the server loses is outside the steps: idle, receiving, sending, or the client)."""
+    in_steps = sum(seconds.get(p, 0.0) for p in STEP_PHASES)
     parts = [f"{p} {seconds[p]:.2f}" for p in LOOP_PHASES if p in seconds]
-    return f"{', '.join(parts)} s of {wall:.2f} s"
+    return f"in steps {in_steps:.2f} s ({', '.join(parts)}) of {wall:.2f} s"
 
 
 def report_steps(before, after, run: dict) -> None:
