@@ -7,6 +7,7 @@ the model is loaded (on a GPU it is what memory is left after a profiling step),
 """
 
 import dataclasses
+import logging
 import os
 
 import torch
@@ -15,6 +16,8 @@ from nanovllm.core.config import EngineConfig, ResolvedConfig
 from nanovllm.core.errors import ConfigError
 from nanovllm.model.config import ModelConfig
 from nanovllm.model.parallel import check_shardable
+
+log = logging.getLogger("nanovllm")
 
 GPU_ADMISSION_BATCH = 16  # with CUDA graphs, see EngineConfig.admission_batch
 GPU_SWAP_GIB = 4.0  # EngineConfig.swap_space on a GPU
@@ -84,10 +87,14 @@ def _block_size(config: EngineConfig, attention: str, cuda: bool) -> int:
     worker/kv_cache.py), so 16-token blocks mean 16-token tiles: on the H200 the seed workload
     ran at 19,600 tok/s with them, 27,000-27,500 with 64 and 30,200 with 128 (and 128-token
     tiles); bf16's cache ran at 24,700 with 16 or 128."""
-    if config.block_size is not None:
-        return config.block_size
     fp8_tiles = cuda and attention == "triton" and config.kv_cache_dtype == "fp8"
-    return FP8_BLOCK_SIZE if fp8_tiles else BLOCK_SIZE
+    if config.block_size is None:
+        return FP8_BLOCK_SIZE if fp8_tiles else BLOCK_SIZE
+    if fp8_tiles and config.block_size < FP8_BLOCK_SIZE:
+        log.warning("block_size=%d with the fp8 KV cache: its attention tiles are then %d "
+                    "positions, and it runs slower than with the default %d (BENCHMARKS.md)",
+                    config.block_size, config.block_size, FP8_BLOCK_SIZE)
+    return config.block_size
 
 
 def fit_kv_cache(resolved: ResolvedConfig, asked: EngineConfig, num_blocks: int,

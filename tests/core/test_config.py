@@ -164,9 +164,10 @@ def test_step_limits_fit_the_device(monkeypatch):
     assert kept.max_num_seqs == 512  # asked for: kept
 
 
-def test_block_size_fits_the_cache_format():
+def test_block_size_fits_the_cache_format(caplog):
     """block_size: a given one stands; else 16, but 128 for an fp8 cache the Triton kernels
-    read (their fp8 tiles stay within one block, so 16-token blocks are 16-token tiles)."""
+    read (their fp8 tiles stay within one block, so 16-token blocks are 16-token tiles); a
+    smaller one given for such a cache stands, with a warning that says what it costs."""
     from nanovllm.engine import resolve
 
     def size(cuda=True, attention="triton", **kwargs):
@@ -176,5 +177,7 @@ def test_block_size_fits_the_cache_format():
     assert size(kv_cache_dtype="fp8") == resolve.FP8_BLOCK_SIZE == 128
     assert size(kv_cache_dtype="fp8", cuda=False, attention="torch") == 16
     assert size(kv_cache_dtype="fp8", attention="torch") == 16
-    assert size(kv_cache_dtype="fp8", block_size=16) == 16
     assert size(block_size=256) == 256
+    assert not caplog.records
+    assert size(kv_cache_dtype="fp8", block_size=16) == 16
+    assert "block_size=16 with the fp8 KV cache" in caplog.text and "128" in caplog.text
