@@ -65,6 +65,7 @@ import httpx
 from benchmarks.serve_client import Request, run_rate, warm_up
 from benchmarks.serve_report import plot, print_ratio, print_table
 from benchmarks.workloads import length_range, random_requests, text_requests
+from nanovllm.engine.step_times import STEP_PHASES
 
 SERVE_GOAL = 0.95  # issue 11: saturated serving at >= 0.95 of offline throughput
 WORKLOAD_KEYS = (
@@ -174,7 +175,7 @@ def report_server_cpu(before: dict, after: dict, run: dict) -> None:
     print("       server CPU: " + "; ".join(parts))
 
 
-LOOP_PHASES = ("idle", "receive", "schedule", "launch", "wait", "postprocess", "send")
+LOOP_PHASES = ("idle", "receive", *STEP_PHASES, "send")  # the engine loop's, in order
 
 
 def engine_counters(base_url: str, headers: dict) -> dict[str, float] | None:
@@ -196,9 +197,6 @@ def engine_counters(base_url: str, headers: dict) -> dict[str, float] | None:
         if key is not None:
             found[key] = found.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return found or None
-
-
-STEP_PHASES = ("schedule", "launch", "wait", "postprocess")  # LLMEngine.step's own
 
 
 def loop_line(seconds: dict[str, float], wall: float) -> str:

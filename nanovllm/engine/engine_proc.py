@@ -169,12 +169,10 @@ class EngineLoop:
                     timeout = 0.0
             times["receive" if busy else "idle"] += time.perf_counter() - start
             self._expire()
-            if engine.has_unfinished_requests():
-                outs = engine.step()
-                if outs:
-                    with self.times("send"):
-                        self._send_outputs(outs)
+            outs = engine.step() if engine.has_unfinished_requests() else None
             with self.times("send"):
+                if outs:
+                    self._send_outputs(outs)
                 for outbox in outboxes:
                     if outbox.pending:
                         outbox.flush()

@@ -2,14 +2,15 @@
 
 import time
 
+STEP_PHASES = ("schedule", "launch", "wait", "postprocess")  # LLMEngine.step's
+
 
 class StepTimes:
     """Where step() spends its wall time, as running totals in seconds: host work
     (schedule, launch, postprocess) against waiting for the device (wait). The server's
     engine loop keeps one of its own for the time between steps (engine_proc.py)."""
 
-    def __init__(self, phases: tuple[str, ...] = ("schedule", "launch", "wait",
-                                                   "postprocess")) -> None:
+    def __init__(self, phases: tuple[str, ...] = STEP_PHASES) -> None:
         self.totals = dict.fromkeys(phases, 0.0)
         self._phase = ""
         self._start = 0.0

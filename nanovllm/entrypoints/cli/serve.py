@@ -3,7 +3,6 @@
 import argparse
 import glob
 import os
-import tempfile
 
 from nanovllm.entrypoints.cli.arguments import engine_config
 
@@ -68,13 +67,14 @@ def default_api_server_count(device: str) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_server_count is None:
         args.api_server_count = default_api_server_count(args.device)
-    if args.api_server_count > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    from nanovllm.entrypoints.openai.front_ends import make_metrics_dir, remove_metrics_dir
+
+    if args.api_server_count > 1:
         # several front ends share their metrics through files; prometheus_client reads
-        # where when it is first imported, just below (front_ends.METRICS_DIR_PREFIX)
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="nanovllm-metrics-")
+        # where when it is first imported, just below
+        make_metrics_dir()
     # FastAPI only when serving
     from nanovllm.engine.messages import EngineProcessConfig
-    from nanovllm.entrypoints.openai.front_ends import remove_metrics_dir
     from nanovllm.entrypoints.openai.launch import ServerSettings, run_server
 
     engine = EngineProcessConfig(

@@ -7,7 +7,9 @@ every engine process (the engine loop serves them all, replying on the pipe a re
 from), accepting on that socket (the kernel spreads connections over them). A front end
 that exits takes the server down: its pipes close, the engines stop, and every front end
 exits with status 1, as when an engine dies. Their latency histograms are shared through
-prometheus_client's multiprocess files (metrics.py), in a directory `nanovllm serve` makes.
+prometheus_client's multiprocess files (metrics.py), in a directory `nanovllm serve` makes
+(make_metrics_dir) before prometheus_client is first imported, which is why this module
+does not import it.
 """
 
 import logging
@@ -15,14 +17,15 @@ import multiprocessing
 import os
 import shutil
 import sys
+import tempfile
 import threading
 from multiprocessing.connection import wait
 
 from nanovllm.engine.messages import EngineProcessConfig
-from nanovllm.entrypoints.openai.metrics import MULTIPROC_ENV
 
 log = logging.getLogger("nanovllm.server")
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # where prometheus_client's processes share files
 METRICS_DIR_PREFIX = "nanovllm-metrics-"  # the shared metrics' directory nanovllm serve makes
 
 
@@ -52,6 +55,13 @@ def watch_front_ends(procs: list, http, died: list[str]) -> None:
             http.should_exit = True
 
     threading.Thread(target=watch, name="front-end-watch", daemon=True).start()
+
+
+def make_metrics_dir() -> None:
+    """A directory for the front ends' shared metrics, unless the user named one; to be
+    called before prometheus_client is first imported (it reads MULTIPROC_ENV then)."""
+    if not os.environ.get(MULTIPROC_ENV):
+        os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix=METRICS_DIR_PREFIX)
 
 
 def remove_metrics_dir() -> None:

@@ -14,12 +14,12 @@ from nanovllm.engine.messages import EngineProcessConfig
 from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.entrypoints.openai.app import build_app
 from nanovllm.entrypoints.openai.front_ends import (
+    MULTIPROC_ENV,
     remove_metrics_dir,
     start_front_ends,
     stop_front_ends,
     watch_front_ends,
 )
-from nanovllm.entrypoints.openai.metrics import MULTIPROC_ENV
 from nanovllm.entrypoints.openai.replicas import ReplicaSet
 from nanovllm.entrypoints.openai.serving import MAX_N, ServerConfig
 

@@ -11,9 +11,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from nanovllm.engine.messages import EngineStats
+from nanovllm.entrypoints.openai.front_ends import MULTIPROC_ENV  # several front ends
 
 disable_created_metrics()  # no *_created series: process start times, noise on every scrape
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # several front-end processes (see Metrics)
 
 # EngineStats field -> (metric name, help)
 _GAUGES = {
