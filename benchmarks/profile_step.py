@@ -105,6 +105,7 @@ def _print_host_parts(engine, timing_before: dict, parts: dict, steps: int) -> N
 def _time_launch_parts() -> dict[str, float]:
     """Wrap the pieces of ModelRunner.launch with host timers (seconds, summed)."""
     from nanovllm.worker import model_runner as mr
+    from nanovllm.worker import sampling
 
     parts: dict[str, float] = {}
 
@@ -117,9 +118,10 @@ def _time_launch_parts() -> dict[str, float]:
                 parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
         return wrapper
 
-    for name in ("build_sampling_tensors", "sample"):
-        setattr(mr, name, timed(name, getattr(mr, name)))
-    for name in ("_fill_placeholders", "_logits", "_handle"):
+    sampling.build_sampling_tensors = timed("build_sampling_tensors",
+                                            sampling.build_sampling_tensors)
+    sampling.StepSampler.sample = timed("sample", sampling.StepSampler.sample)
+    for name in ("_fill_placeholders", "_handle"):
         setattr(mr.ModelRunner, name, timed(name, getattr(mr.ModelRunner, name)))
     mr.InputBuffers.prepare = timed("prepare", mr.InputBuffers.prepare)
     return parts

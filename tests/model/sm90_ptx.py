@@ -118,6 +118,20 @@ def record(kv_cache_dtype: str, scales: str) -> list:
     return calls
 
 
+def record_sampler() -> list:
+    """The one-pass sampler's launch for 256 rows of a 152k vocabulary in bf16, as a GPU
+    makes it (FAST_LOG: logits on CUDA)."""
+    import importlib
+
+    ts = importlib.reload(importlib.import_module("nanovllm.kernels.triton_sampling"))
+    calls = []
+    ts._gumbel_argmax_kernel = Recorder(ts._gumbel_argmax_kernel, calls)
+    ts.gumbel_argmax(torch.zeros(256, 151936, dtype=torch.bfloat16), torch.zeros(256), 1e-5)
+    for _, _, kwargs in calls:
+        kwargs["FAST_LOG"] = True
+    return calls
+
+
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET=1: the point is the compiler")
@@ -130,24 +144,29 @@ def main() -> None:
     except (ImportError, TypeError) as e:
         print(json.dumps({"unsupported": f"triton {triton.__version__}: {e!r}"}))
         return
-    for case, (kv_dtype, scales) in CASES.items():
-        for fn, args, kwargs in record(kv_dtype, scales):
-            sig, consts, attrs, options = _signature(fn, args, dict(kwargs))
-            out = {"kernel": fn.__name__, "case": case}
-            try:
-                src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-            except TypeError as e:
-                print(json.dumps({"unsupported": f"triton {triton.__version__}: {e!r}"}))
-                return
-            try:
-                ptx = compile(src, target=target, options=options).asm["ptx"]
-            except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
-                out["error"] = f"{type(e).__name__}: {e}"[:2000]
-            else:
-                ops = r"(?:ld\.global|ld\.shared|cp\.async\.c[ag])[.\w]*"
-                out["loads"] = Counter(re.findall(ops, ptx))
-                out["stores"] = len(re.findall(r"st\.shared[.\w]*", ptx))
-            print(json.dumps(out), flush=True)
+    launches = [(case, call) for case, (kv_dtype, scales) in CASES.items()
+                for call in record(kv_dtype, scales)]
+    launches += [("sampler", call) for call in record_sampler()]
+    for case, (fn, args, kwargs) in launches:
+        sig, consts, attrs, options = _signature(fn, args, dict(kwargs))
+        out = {"kernel": fn.__name__, "case": case}
+        try:
+            src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        except TypeError as e:
+            print(json.dumps({"unsupported": f"triton {triton.__version__}: {e!r}"}))
+            return
+        try:
+            ptx = compile(src, target=target, options=options).asm["ptx"]
+        except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
+            out["error"] = f"{type(e).__name__}: {e}"[:2000]
+        else:
+            ops = r"(?:ld\.global|ld\.shared|cp\.async\.c[ag])[.\w]*"
+            out["loads"] = Counter(re.findall(ops, ptx))
+            out["stores"] = len(re.findall(r"st\.shared[.\w]*", ptx))
+            # the instructions the sampler's noise costs (Philox rounds, logarithms)
+            out["ops"] = {op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))
+                          for op in ("mul.hi.u32", "lg2.approx.f32")}
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+"""A decode step's sampling on CUDA: the one-pass Triton kernel against the torch sampler and
+against the time to read the logits once at the device's copy bandwidth.
+
+    python -m benchmarks.sampler [--rows 256] [--vocab 151936] [--temperature 0.6]
+                                 [--splits 2 4 8]  # vocabulary splits per row to compare
+                                                   # with the kernel's own choice
+
+Logits are random bf16 [rows, vocab] (the LM head's output dtype), every row at the same
+temperature (0: greedy). Times are `triton.testing.do_bench` medians with L2 flushed, so
+the logits come from memory as they do after the LM head of a real step.
+"""
+
+import argparse
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 512])
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.6, 0.0])
+    ap.add_argument("--splits", type=int, nargs="*", default=[],
+                    help="also time these vocabulary splits per row (programs = rows x splits)")
+    args = ap.parse_args()
+    from benchmarks.speed_of_light import _copy_seconds
+    from nanovllm.kernels.triton_sampling import gumbel_argmax
+    from nanovllm.model.layers.sampler import MIN_TEMPERATURE, _gumbel_argmax
+
+    dev = torch.device("cuda")
+    copy_bytes = 2 * 2**30
+    copy_gbs = 2 * copy_bytes / _copy_seconds(copy_bytes, torch.bfloat16, dev) / 1e9
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:,.0f} GB/s "
+          f"(2 GiB device to device, read + written)")
+    print(f"{'rows':>5} {'T':>4} {'triton us':>10} {'torch us':>9} {'torch/triton':>13} "
+          f"{'read-once us':>13} {'of read-once':>13}")
+    for rows in args.rows:
+        logits = torch.randn(rows, args.vocab, device=dev).to(torch.bfloat16)
+        for temp in args.temperature:
+            temps = torch.full((rows,), temp, device=dev)
+            ours = _us(gumbel_argmax, logits, temps, MIN_TEMPERATURE)
+            if temp == 0.0:  # the torch sampler's greedy rows are an argmax
+                theirs = _us(torch.argmax, logits, -1)
+            else:  # its logits are float32 by then
+                theirs = _us(lambda x, t: _gumbel_argmax(x.float(), t), logits, temps)
+            floor = logits.numel() * logits.element_size() / copy_gbs / 1e3
+            print(f"{rows:>5} {temp:>4} {ours:>10.1f} {theirs:>9.1f} {theirs / ours:>12.2f}x "
+                  f"{floor:>13.1f} {floor / ours:>13.2f}")
+            for splits in args.splits:
+                t = _us(gumbel_argmax, logits, temps, MIN_TEMPERATURE, num_splits=splits)
+                print(f"{'':>5} {'':>4} {t:>10.1f}  ({splits} splits: {t / ours:.2f} of the "
+                      f"kernel's own choice)")
+
+
+def _us(fn, *args, **kwargs) -> float:
+    """Median microseconds of fn(*args, **kwargs), L2 flushed before each call."""
+    import triton
+
+    return triton.testing.do_bench(lambda: fn(*args, **kwargs)) * 1e3
+
+
+if __name__ == "__main__":
+    main()
