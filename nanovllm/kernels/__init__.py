@@ -33,6 +33,8 @@ class Kernels:
     paged_attention: Callable
     # greedy / plain-temperature batches sampled in one pass over the logits; None: torch
     sample_one_pass: Callable | None
+    # qk_norm_rope then store_kv in one launch (Triton ops and attention); None: two calls
+    qk_norm_rope_store: Callable | None = None
 
 
 @functools.cache  # equal choices share callables (and compiled graphs)
@@ -56,4 +58,8 @@ def select_kernels(ops: str = "torch", attention: str = "torch") -> Kernels:
 
         # each is several small kernels eagerly and one fused kernel compiled
         fns = [torch.compile(fn, dynamic=True, fullgraph=True) for fn in fns]
-    return Kernels(ops, attention, *fns, attn.store_kv, attn.paged_attention, one_pass)
+    fused_store = None
+    if ops == "triton" and attention == "triton":
+        from nanovllm.kernels.triton_kv_store import qk_norm_rope_store as fused_store
+    return Kernels(ops, attention, *fns, attn.store_kv, attn.paged_attention, one_pass,
+                   fused_store)

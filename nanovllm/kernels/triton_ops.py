@@ -198,7 +198,25 @@ def _qk_norm_rope_kernel(
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
 ):
-    tok = tl.program_id(0).to(tl.int64)
+    # axis 1 picks q or k, so a decode step of a few tokens still runs two programs each
+    qk_norm_rope_program(
+        tl.program_id(0).to(tl.int64), tl.program_id(1), q_ptr, k_ptr, pos_ptr, cos_ptr,
+        sin_ptr, qw_ptr, kw_ptr, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh,
+        stride_kd, stride_cos, stride_sin, eps, NUM_Q_HEADS, NUM_K_HEADS, HALF, BLOCK_QH,
+        BLOCK_KH, BLOCK_HALF, HAS_NORM,
+    )
+
+
+@triton.jit
+def qk_norm_rope_program(
+    tok, which, q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_cos, stride_sin,
+    eps, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    """Token `tok`'s q heads (which == 0) or k heads (1), normalized and rotated in place
+    (also the first half of triton_kv_store's fused kernel)."""
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     # apply_rotary casts the fp32 table rows to the activation dtype before multiplying
@@ -207,8 +225,7 @@ def _qk_norm_rope_kernel(
     sin = tl.load(sin_ptr + pos * stride_sin + cols, mask=cols < HALF, other=0.0)
     cos = cos.to(dtype).to(tl.float32)
     sin = sin.to(dtype).to(tl.float32)
-    # axis 1 picks q or k, so a decode step of a few tokens still runs two programs each
-    if tl.program_id(1) == 0:
+    if which == 0:
         _norm_rope_heads(
             q_ptr + tok * stride_qt,
             stride_qh,
@@ -259,6 +276,19 @@ def qk_norm_rope(
     `torch_ops.apply_rotary`, including its rounding of cos / sin and each product to q's
     dtype. Returns (q, k), the same tensors.
     """
+    launch = rope_launch(q, k, positions, cos, sin, q_weight, k_weight, eps)
+    if launch is not None:
+        args, consts = launch
+        _qk_norm_rope_kernel[(q.shape[0], 2)](*args, **consts)
+    return q, k
+
+
+def rope_launch(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+) -> tuple[list, dict] | None:
+    """The checked arguments and constexprs (num_warps included) of a qk_norm_rope launch,
+    shared by triton_kv_store's fused kernel; None when there are no tokens."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     half = head_dim // 2
@@ -272,31 +302,15 @@ def qk_norm_rope(
         assert q_weight.shape == (head_dim,) and k_weight.shape == (head_dim,)
         assert q_weight.is_contiguous() and k_weight.is_contiguous()
     if num_tokens == 0:
-        return q, k
+        return None
     block_qh, block_kh, block_half = _pow2(num_q_heads), _pow2(num_k_heads), _pow2(half)
-    _qk_norm_rope_kernel[(num_tokens, 2)](
-        q,
-        k,
-        positions,
-        cos,
-        sin,
-        q_weight if has_norm else q,
-        k_weight if has_norm else k,
-        *q.stride(),
-        *k.stride(),
-        cos.stride(0),
-        sin.stride(0),
-        eps,
-        NUM_Q_HEADS=num_q_heads,
-        NUM_K_HEADS=num_k_heads,
-        HALF=half,
-        BLOCK_QH=block_qh,
-        BLOCK_KH=block_kh,
-        BLOCK_HALF=block_half,
-        HAS_NORM=has_norm,
-        num_warps=_warps(2 * block_qh * block_half, cap=8),
-    )
-    return q, k
+    args = [q, k, positions, cos, sin, q_weight if has_norm else q,
+            k_weight if has_norm else k, *q.stride(), *k.stride(), cos.stride(0),
+            sin.stride(0), eps]
+    consts = dict(NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
+                  BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half,
+                  HAS_NORM=has_norm, num_warps=_warps(2 * block_qh * block_half, cap=8))
+    return args, consts
 
 
 # ---------------------------------------------------------------------------------------

@@ -85,7 +85,8 @@ def record(kv_cache_dtype: str, scales: str) -> list:
     tb = importlib.reload(importlib.import_module("nanovllm.kernels.triton_attention"))
     fmt = KVFormat.of(kv_cache_dtype, scales, torch.bfloat16, D)
     calls = []
-    for module, name in ((ts, "_store_kv_kernel"), (tb, "_decode_kernel"),
+    for module, name in ((ts, "_store_kv_kernel"), (ts, "_rope_store_kernel"),
+                         (tb, "_decode_kernel"),
                          (tb, "_reduce_kernel"), (tb, "_prefill_kernel")):
         setattr(module, name, Recorder(getattr(module, name), calls))
     # a mixed step: two decode rows with long contexts (KV splits) and a prefill chunk
@@ -108,6 +109,13 @@ def record(kv_cache_dtype: str, scales: str) -> list:
         max_query_len=max(n for n, _ in rows), max_context_len=max(c for _, c in rows),
         query_lens_host=[n for n, _ in rows], context_lens_host=[c for _, c in rows])
     tb.store_kv(kv, kv, *cache, meta.slot_mapping)
+    # the decoder layer's fused launch: q, k and v as views into one qkv projection output
+    qkv = torch.zeros(tokens, (HQ + 2 * HKV) * D, dtype=torch.bfloat16)
+    q_, k_, v_ = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)
+    rope, norm = torch.zeros(4096, D // 2), torch.ones(D, dtype=torch.bfloat16)
+    ts.qk_norm_rope_store(q_.view(tokens, HQ, D), k_.view(tokens, HKV, D),
+                          v_.view(tokens, HKV, D), torch.zeros(tokens, dtype=torch.int64),
+                          rope, rope, *cache, meta.slot_mapping, norm, norm)
     tb.paged_attention(q, *cache, meta, D**-0.5)
     before = len(calls)  # and the decode kernel launched longest row first
     tb.paged_attention(q, *cache, meta, D**-0.5, longest_first=True)

@@ -234,22 +234,26 @@ def prefill_meta(lens: list[int], block_size: int, device: str):
     return meta, first
 
 
-@pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
-def test_tiny_model_logits_same_with_fusion_on_and_off(triton_device, qk_norm):
-    device = triton_device
+def prefill_logits(model, device: str) -> torch.Tensor:
+    """The logits of a prefill of two sequences (5 and 3 tokens) into a fresh paged cache."""
     lens, block_size = [5, 3], 4
     meta, num_blocks = prefill_meta(lens, block_size, device)
     ids = torch.randint(0, 64, (sum(lens),), generator=torch.Generator().manual_seed(7))
-    ids = ids.to(device)
     positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    for attn in model.attention_layers():
+        shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        attn.k_cache = torch.zeros(shape, device=device)
+        attn.v_cache = torch.zeros(shape, device=device)
+    with torch.inference_mode():
+        return model.compute_logits(model(ids.to(device), positions, meta))
+
+
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
+def test_tiny_model_logits_same_with_fusion_on_and_off(triton_device, qk_norm):
+    device = triton_device
 
     def logits(model) -> torch.Tensor:
-        for attn in model.attention_layers():  # a fresh cache per run
-            shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, device=device)
-            attn.v_cache = torch.zeros(shape, device=device)
-        with torch.inference_mode():
-            return model.compute_logits(model(ids, positions, meta))
+        return prefill_logits(model, device)
 
     calls = {name: 0 for name in ("rms_norm", "add_rms_norm", "qk_norm_rope", "silu_and_mul")}
 

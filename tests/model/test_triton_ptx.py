@@ -17,6 +17,9 @@ from tests.support import triton_module
 triton_module("triton")
 
 
+STORES = ("_store_kv_kernel", "_rope_store_kernel")  # one token a program, K/V to the cache
+
+
 def test_attention_kernels_compile_for_sm90_with_vector_loads():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "tests.model.sm90_ptx"], env=env,
@@ -28,8 +31,8 @@ def test_attention_kernels_compile_for_sm90_with_vector_loads():
                     f"{results[-1]['unsupported']}")
     compiled = {(r["kernel"], r["case"]) for r in results}
     for case in ("bf16", "fp8-token", "fp8-tensor"):
-        for kernel in ("_store_kv_kernel", "_decode_kernel", "_reduce_kernel",
-                       "_prefill_kernel"):
+        for kernel in ("_store_kv_kernel", "_rope_store_kernel", "_decode_kernel",
+                       "_reduce_kernel", "_prefill_kernel"):
             assert (kernel, case) in compiled, f"{kernel} was not launched for {case}"
     assert ("_gumbel_argmax_kernel", "sampler") in compiled
     errors = [f"{r['kernel']} ({r['case']}): {r['error']}" for r in results if "error" in r]
@@ -42,8 +45,8 @@ def test_attention_kernels_compile_for_sm90_with_vector_loads():
         # those 4 rows a byte each (4 loads)
         byte_loads = sum(n for op, n in r["loads"].items()
                          if op.endswith((".b8", ".u8", ".s8"))
-                         and not (r["kernel"] == "_store_kv_kernel" and "shared" in op))
-        allowed = 4 if r["case"] == "fp8-token" and r["kernel"] != "_store_kv_kernel" else 0
+                         and not (r["kernel"] in STORES and "shared" in op))
+        allowed = 4 if r["case"] == "fp8-token" and r["kernel"] not in STORES else 0
         assert byte_loads <= allowed, f"{r['kernel']} ({r['case']}) loads bytes: {r['loads']}"
         if r["kernel"] in ("_decode_kernel", "_prefill_kernel"):
             # the tiles are pipelined through shared memory with 16-byte async copies

@@ -22,7 +22,10 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         self.kernels = kernels
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                stored: bool = False):
+        """`stored`: this step's K/V are in the cache already (RotaryEmbedding.and_store)."""
         kernels = self.kernels
-        kernels.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if not stored:
+            kernels.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)

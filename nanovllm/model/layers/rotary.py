@@ -56,3 +56,13 @@ class RotaryEmbedding(nn.Module):
                 self._rows = rope_rows(positions, self.cos, self.sin, q.dtype)
             return self.kernels.qk_norm_rope(q, k, None, *self._rows, *norms)
         return self.kernels.qk_norm_rope(q, k, positions, self.cos, self.sin, *norms)
+
+    def and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, q_norm: nn.Module | None, k_norm: nn.Module | None,
+                  attn: nn.Module, slot_mapping: torch.Tensor):
+        """`forward`, then `attn`'s K/V cache store of the rotated k and v, in one kernel
+        (kernels.qk_norm_rope_store, which the caller checked is there)."""
+        norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        return self.kernels.qk_norm_rope_store(q, k, v, positions, self.cos, self.sin,
+                                               attn.k_cache, attn.v_cache, slot_mapping,
+                                               *norms)
