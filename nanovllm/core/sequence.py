@@ -49,6 +49,8 @@ class Sequence:
         self.num_scheduled_tokens = 0
         self.num_cached_prefix_tokens = 0  # prefix-cache hits at the last admission
         self.num_host_prefix_blocks = 0  # of those, blocks copied back from the host tier
+        # appended to while it lives, replaced by a new list when freed, never edited in
+        # place: worker/inputs.py keeps each table's int32 copy by the list's identity
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the leading full blocks, in order
         self.host_blocks: list[int] = []  # host-tier slots held while swapped out

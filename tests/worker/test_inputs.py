@@ -71,3 +71,30 @@ def test_prefill_then_padded_decode_with_placeholders(device):
     assert inputs.meta.query_lens_host == [1] * 8
     assert inputs.meta.context_lens_host == [10, 7, 13, 0, 0, 0, 0, 0]
     assert inputs.input_ids.shape[0] == 8
+
+
+def test_block_tables_follow_their_lists_across_steps(device):
+    """Rows come from each table's int32 copy, grown by what was appended since the last
+    step: a table that grows, one replaced by a new list of the same length (a preempted
+    sequence prefilled again into other blocks), rows that change places, and sequences
+    that leave (their copies are forgotten) while a new one takes a used id."""
+    buf = InputBuffers(max_tokens=32, max_rows=2, table_width=6, block_size=BS,
+                       device=torch.device(device))
+    a, b = seq(0, range(8), 7, 1, 0), seq(1, range(5), 4, 1, 1)
+    check(buf.prepare(ScheduledBatch([a, b])), [a, b])
+    a.block_table.append(40)  # grows: one more block
+    a.token_ids += [1] * 4
+    a.num_computed_tokens = 8
+    check(buf.prepare(ScheduledBatch([b, a])), [b, a])  # and the rows swap
+    b.block_table = [50, 51]  # freed and allocated again: same length, other blocks
+    check(buf.prepare(ScheduledBatch([a, b])), [a, b])
+    b.block_table.append(52)
+    b.token_ids += [1] * 4
+    b.num_computed_tokens = 8
+    check(buf.prepare(ScheduledBatch([a, b])), [a, b])
+    for i in range(2, 8):  # more sequences than 2 x rows pass through
+        others = [seq(i, range(6), 5, 1, i), seq(i + 100, range(3), 2, 1, 2 * i)]
+        check(buf.prepare(ScheduledBatch(others)), others)
+    assert len(buf._tables) <= 2 * 2 + 2
+    again = seq(0, range(12), 11, 1, 60)  # id 0 again, a new table
+    check(buf.prepare(ScheduledBatch([again])), [again])
