@@ -67,3 +67,13 @@ def test_mixed_rows_and_fresh_noise_per_call(triton_device: str) -> None:
     assert torch.equal(same, ts.gumbel_argmax(logits, temps, 1e-5, seed=7))
     # the noise is keyed by token id, so the split count does not change the draw
     assert torch.equal(same, ts.gumbel_argmax(logits, temps, 1e-5, seed=7, num_splits=3))
+
+
+def test_vocabularies_smaller_than_a_tile(triton_device):
+    greedy = torch.zeros(3, device=triton_device)
+    for vocab in (1, 2, 5):
+        logits = torch.randn(3, vocab)
+        out = ts.gumbel_argmax(logits.to(triton_device), greedy, 1e-5)
+        assert out.cpu().tolist() == logits.argmax(-1).tolist()
+        hot = ts.gumbel_argmax(logits.to(triton_device), greedy + 1.0, 1e-5)
+        assert ((0 <= hot) & (hot < vocab)).all()
