@@ -11,9 +11,12 @@
 #                                     # defaults (two), --mixed-graphs (steps, engine loop
 #                                     # phases, CPU per process)
 #   bash scripts/gpu_plan.sh dp       # DP=1 vs DP=2, two and four front ends, 2,048 prompts
+#   bash scripts/gpu_plan.sh store    # the fused RoPE + K/V store, two programs a token against
+#                                     # one a head (ROPE_STORE_PER_HEAD, 1 and 2 warps): a
+#                                     # decode step's kernels, and the seed workload, fp8, bf16
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve or dp"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp or store"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -69,7 +72,21 @@ case "$stage" in
         --client-procs 8 --out "$OUT/$name.json" 2>&1 \
         | grep -E "server CPU|engine steps|engine loop|^ +inf" | tee "$OUT/$name.log"
     done ;;
+  store)
+    # the constant is set in this copy of the tree, and put back at the end; fp8 then bf16
+    for run in "1 fp8" "0 fp8" "2 fp8" "0 auto" "1 auto"; do
+      set -- $run
+      sed -i "s/^ROPE_STORE_PER_HEAD = .*/ROPE_STORE_PER_HEAD = $1/" \
+        nanovllm/kernels/triton_kv_store.py
+      echo "== ROPE_STORE_PER_HEAD=$1, kv cache $2"
+      timeout 100 python3 -m benchmarks.profile_step --kv-cache-dtype "$2" 2>&1 \
+        | grep -E "unprofiled|GPU kernel time|_rope_store_kernel" | tee -a "$OUT/store.log"
+      timeout 100 python3 -m benchmarks.offline --no-peer --kv-cache-dtype "$2" 2>&1 \
+        | grep "^nano-vLLM  " | tee -a "$OUT/store.log"
+    done
+    sed -i "s/^ROPE_STORE_PER_HEAD = .*/ROPE_STORE_PER_HEAD = 0/" \
+      nanovllm/kernels/triton_kv_store.py ;;
   *)
-    echo "unknown stage $stage: tests, kernels, profile, tp, serve or dp" >&2
+    echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp or store" >&2
     exit 2 ;;
 esac
