@@ -96,14 +96,31 @@ def _tile_quarter(base, offs, hi):
 def _noisy_race(best, best_idx, base, offs, hi, scale, u, FAST_LOG: tl.constexpr):
     x, mask = _tile_quarter(base, offs, hi)
     # u == 0 gives -inf noise: that token simply loses the race (never NaN)
-    x = tl.where(mask, x * scale - _log2(-_log2(u, FAST_LOG), FAST_LOG), float("-inf"))
+    noise = -_log2(neg_log2_uniform(u, FAST_LOG), FAST_LOG)
+    x = tl.where(mask, x * scale + noise, float("-inf"))
     return _race(best, best_idx, x, offs, mask)
+
+
+@triton.jit
+def neg_log2_uniform(u, FAST: tl.constexpr):
+    """-log2(u) for u in [0, 1) (Triton's uniforms stop at 1 - 2^-24): > 0, inf at 0.
+
+    Close to 1 the value is tiny, and the approximate lg2's absolute error (2^-22 on
+    [0.5, 2]) is larger than it: -lg2(u) could come out 0, making the noise +inf, a sure
+    win for a token of any probability (~2^-22 of the draws, a few percent of 152k-token
+    rows), or negative (NaN noise). There the series -log2(1 - v) = v log2(e) (1 + v/2 +
+    v^2/3 ...) is used instead, exact to float precision for v = 1 - u < 2^-10 (v itself is
+    exact: u >= 0.5)."""
+    v = 1.0 - u
+    series = v * (LOG2E * (1.0 + 0.5 * v))
+    return tl.where(v < 0.0009765625, series, -_log2(u, FAST))
 
 
 @triton.jit
 def _log2(x, FAST: tl.constexpr):
     # FAST (CUDA): the hardware's approximate log2, one special-function instruction in
-    # place of tl.log2's polynomial (~2 ulp; 0 -> -inf, inf -> inf, as tl.log2)
+    # place of tl.log2's polynomial (0 -> -inf, inf -> inf, as tl.log2; absolute error 2^-22
+    # on [0.5, 2], 2 ulp elsewhere: see neg_log2_uniform for what that means near 1)
     if FAST:
         return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x],
                                          dtype=tl.float32, is_pure=True, pack=1)

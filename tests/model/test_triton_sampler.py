@@ -1,5 +1,7 @@
 """The one-pass Triton sampler against torch: greedy rows give argmax exactly (ties to the
-lowest id), temperature rows follow softmax(logits / T) by a chi-square test.
+lowest id), temperature rows follow softmax(logits / T) by a chi-square test; its noise's
+-log2(u) is positive and accurate up to the largest uniform, and a token 60 nats below the
+top is never drawn.
 
 Each test runs in Triton's CPU interpreter and, marked gpu, compiled on CUDA (the
 `triton_device` fixture); the CUDA cases of test_sampler.py go through this kernel via
@@ -12,6 +14,17 @@ import torch
 from tests.support import SMALL_LOGITS, assert_matches, triton_module
 
 ts = triton_module("nanovllm.kernels.triton_sampling")
+import triton  # noqa: E402 - after triton_module, which skips this module without triton
+import triton.language as tl  # noqa: E402
+
+neg_log2_uniform = ts.neg_log2_uniform
+
+
+@triton.jit
+def _neg_log2_kernel(u_ptr, out_ptr, n, FAST: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    u = tl.load(u_ptr + offs, mask=offs < n, other=0.5)
+    tl.store(out_ptr + offs, neg_log2_uniform(u, FAST), mask=offs < n)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -77,3 +90,34 @@ def test_vocabularies_smaller_than_a_tile(triton_device):
         assert out.cpu().tolist() == logits.argmax(-1).tolist()
         hot = ts.gumbel_argmax(logits.to(triton_device), greedy + 1.0, 1e-5)
         assert ((0 <= hot) & (hot < vocab)).all()
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's log2(0)
+def test_the_noise_logarithm_near_one(triton_device):
+    """-log2(u) of the race, over the uniforms Triton draws (multiples of 2^-31 below
+    1 - 2^-24): positive and accurate where u is close to 1, where the GPU's approximate
+    lg2 alone could give 0 (a sure win for whatever token drew it) or a negative value."""
+    tops = [1 - 2.0**-k for k in range(8, 25)]  # 1 - 2^-24 is the largest uniform
+    u = torch.tensor([0.0, 2.0**-31, 1e-6, 0.25, 0.5, 0.75, 0.999, *tops], dtype=torch.float32)
+    out = torch.empty_like(u, device=triton_device)
+    fast = triton_device == "cuda"  # the launcher's FAST_LOG
+    _neg_log2_kernel[(1,)](u.to(triton_device), out, u.numel(), FAST=fast, BLOCK=32)
+    got, want = out.cpu().double(), -torch.log2(u.double())
+    assert got[0] == float("inf")
+    assert (got[1:] > 0).all() and torch.isfinite(got[1:]).all(), got
+    # the approximate lg2 (2^-22 absolute on [0.5, 2]) is used only where -log2(u) > 1.4e-3
+    torch.testing.assert_close(got[1:], want[1:], rtol=2e-4 if fast else 1e-6, atol=0)
+
+
+@pytest.mark.gpu
+def test_a_token_far_below_the_top_is_never_drawn():
+    """A 152k vocabulary, one token 60 nats above the rest: exact sampling draws another
+    with probability ~1e-21, so every draw is that token. ~2e8 draws: the top 2^-22 of
+    the uniforms come up ~50 times, where an approximate -log2(u) of 0 would hand the
+    race to a random token."""
+    logits = torch.zeros(64, 151936, device="cuda", dtype=torch.bfloat16)
+    logits[:, 7] = 60.0
+    temps = torch.ones(64, device="cuda")
+    for _ in range(20):
+        out = ts.gumbel_argmax(logits, temps, 1e-5)
+        assert (out == 7).all(), out[out != 7]
