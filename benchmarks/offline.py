@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.offline_report import print_table
-from benchmarks.random_model import build_random_model
+from benchmarks.random_model import QWEN3_RANDOM_DIR, build_random_model
 from benchmarks.speed_of_light import ModelShape, measure_device, sol_times, workload_cost
 from benchmarks.workloads import QWEN3_CONFIG, SEED_OUTPUT_TOKENS, seed_workload
 from nanovllm.kernels.torch_attention import fp8_width
@@ -252,7 +252,7 @@ def main() -> None:
         worker_main(args)
         return
     if args.model_cache is None:
-        args.model_cache = "/tmp/nanovllm-qwen3-0.6b-random" + ("-quick" if args.quick else "")
+        args.model_cache = QWEN3_RANDOM_DIR + ("-quick" if args.quick else "")
     if args.no_overlap:
         engine_options(args)  # fail now, not after building the model
 

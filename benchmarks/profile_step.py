@@ -17,8 +17,7 @@ import warnings
 
 import torch
 
-from benchmarks.random_model import build_random_model
-from benchmarks.workloads import QWEN3_CONFIG
+from benchmarks.random_model import qwen3_random_model
 
 
 def main() -> None:
@@ -29,13 +28,10 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=256, help="rows in the profiled decode")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     args = ap.parse_args()
-    import json
-    from pathlib import Path
 
     from nanovllm import LLM, SamplingParams
 
-    cfg = json.loads(QWEN3_CONFIG.read_text())
-    path = args.model or str(build_random_model(cfg, Path("/tmp/nanovllm-qwen3-0.6b-random"))[0])
+    path = args.model or str(qwen3_random_model())
     llm = LLM(path, max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
               overlap=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine

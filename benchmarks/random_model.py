@@ -103,3 +103,18 @@ def build_random_model(cfg: dict, path: Path, seed: int = 0) -> tuple[Path, bool
     config_file.write_text(json.dumps(cfg, indent=2))
     (path / DONE_MARKER).write_text("ok\n")
     return path, True
+
+
+QWEN3_RANDOM_DIR = "/tmp/nanovllm-qwen3-0.6b-random"  # shared by the GPU benchmarks
+
+
+def qwen3_random_model() -> Path:
+    """The random-weight Qwen3-0.6B the GPU benchmarks share, built once in
+    QWEN3_RANDOM_DIR (`python -m benchmarks.random_model` prints its path)."""
+    from benchmarks.workloads import QWEN3_CONFIG
+
+    return build_random_model(json.loads(QWEN3_CONFIG.read_text()), Path(QWEN3_RANDOM_DIR))[0]
+
+
+if __name__ == "__main__":
+    print(qwen3_random_model())

@@ -10,12 +10,10 @@ stepped by hand so each step is timed alone; the workload is benchmarks/offline.
 """
 
 import argparse
-import json
 import time
-from pathlib import Path
 
-from benchmarks.random_model import build_random_model
-from benchmarks.workloads import QWEN3_CONFIG, seed_workload
+from benchmarks.random_model import qwen3_random_model
+from benchmarks.workloads import seed_workload
 
 BUCKETS = [(1, 16), (16, 32), (32, 64), (64, 128), (128, 192), (192, 257), (257, 10**9)]
 
@@ -30,8 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     from nanovllm import LLM, SamplingParams
 
-    cfg = json.loads(QWEN3_CONFIG.read_text())
-    path = args.model or str(build_random_model(cfg, Path("/tmp/nanovllm-qwen3-0.6b-random"))[0])
+    path = args.model or str(qwen3_random_model())
     llm = LLM(path, enforce_eager=False, max_model_len=4096, kv_cache_dtype=args.kv_cache_dtype)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     engine = llm.engine

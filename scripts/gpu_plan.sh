@@ -20,11 +20,7 @@ stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp or store"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
-  python3 -c "
-import json; from pathlib import Path
-from benchmarks.workloads import QWEN3_CONFIG; from benchmarks.random_model import build_random_model
-print(build_random_model(json.loads(QWEN3_CONFIG.read_text()),
-                         Path('/tmp/nanovllm-qwen3-0.6b-random'))[0])"
+  python3 -m benchmarks.random_model
 }
 case "$stage" in
   tests)

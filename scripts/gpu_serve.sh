@@ -11,11 +11,7 @@
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
 #     gguf==0.19.0 fastapi uvicorn uvloop httptools prometheus_client httpx
 source scripts/device_env.sh
-MODEL=$(python3 -c "
-import json; from pathlib import Path
-from benchmarks.workloads import QWEN3_CONFIG; from benchmarks.random_model import build_random_model
-print(build_random_model(json.loads(QWEN3_CONFIG.read_text()),
-                         Path('/tmp/nanovllm-qwen3-0.6b-random'))[0])")
+MODEL=$(python3 -m benchmarks.random_model)
 if [ -n "$ENGINE_LOOP" ]; then
   # the engine process without HTTP vs LLM.generate; ENGINE_LOOP holds engine_loop.py args
   # shellcheck disable=SC2086
