@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The measurements still open for issues 11 and 12, in stages that each fit one device call
-# (10 minutes). Run from the repository root (carry `.whl`: it holds the server's wheels, see
+# (10 minutes; SERVE_FLAGS, PROMPTS, CLIENT_PROCS, SERVE_S and STORE_RUNS narrow a stage, see
+# each). Run from the repository root (carry `.whl`: it holds the server's wheels, see
 # gpu_serve.sh), one stage per call; tp and dp need `nvidia-h200-x2`, the others one GPU:
 #   bash scripts/gpu_plan.sh tests    # every GPU test, two-GPU tensor parallelism included
 #   bash scripts/gpu_plan.sh kernels  # attention: fp8 layouts vs bf16, ragged decode vs copy
@@ -47,13 +48,18 @@ case "$stage" in
       --out "$OUT/tp.json" 2>&1 | grep -v " INFO " | tee "$OUT/tp.log" | tail -12 ;;
   serve)
     MODEL=$(model)
-    for extra in "--api-server-count 1" "" "--mixed-graphs"; do  # "": 2 front ends on a GPU
-      name=serve${extra:+-$(echo "$extra" | tr -cd 'a-z-' | sed 's/^-*//')}
+    # SERVE_FLAGS (comma-separated flag sets, "none" for the defaults), PROMPTS and
+    # CLIENT_PROCS narrow or change the runs
+    IFS=, read -ra sets <<< "${SERVE_FLAGS:---api-server-count 1,none,--mixed-graphs}"
+    for extra in "${sets[@]}"; do  # none: the defaults, 2 front ends on a GPU
+      [ "$extra" = none ] && extra=""
+      name=serve${extra:+-$(echo "$extra" | tr -cd 'a-z-' | sed 's/^-*//')}-${PROMPTS:-256}
       echo "== nanovllm serve $extra"
-      timeout 170 python3 -m benchmarks.serve \
+      timeout "${SERVE_S:-170}" python3 -m benchmarks.serve \
         --launch "--model $MODEL --max-num-seqs 256 --max-model-len 4096 --max-num-waiting 4096 $extra" \
-        --rates inf,inf --num-prompts 256 --input-len 512 --output-len 256 --range-ratio 0.5 \
-        --client-procs 4 --offline --offline-runs 2 --out "$OUT/$name.json" 2>&1 \
+        --rates inf,inf --num-prompts "${PROMPTS:-256}" --input-len 512 --output-len 256 \
+        --range-ratio 0.5 --client-procs "${CLIENT_PROCS:-4}" --offline --offline-runs 2 \
+        --out "$OUT/$name.json" 2>&1 \
         | grep -E "server CPU|engine steps|engine loop|^ +inf|offline|best" | tee "$OUT/$name.log"
     done ;;
   dp)
