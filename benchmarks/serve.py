@@ -153,6 +153,8 @@ def run_offline(
 
     served = build_parser().parse_args(["serve", *launch_args])
     config = engine_config(served)
+    if config.trace:  # the server's trace stays; the offline runs get their own file
+        config = dataclasses.replace(config, trace=f"{config.trace}.offline.jsonl")
     llm = LLM(served.model, **dataclasses.asdict(config))
     params = [
         SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=r.output_len)
