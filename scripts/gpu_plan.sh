@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The measurements still open for issues 11 and 12, in stages that each fit one device call
-# (10 minutes; SERVE_FLAGS, PROMPTS, CLIENT_PROCS, SERVE_S and STORE_RUNS narrow a stage, see
-# each). Run from the repository root (carry `.whl`: it holds the server's wheels, see
-# gpu_serve.sh), one stage per call; tp and dp need `nvidia-h200-x2`, the others one GPU:
+# (10 minutes; SERVE_FLAGS, PROMPTS, CLIENT_PROCS and SERVE_S narrow the serve stage). Run
+# from the repository root (carry `.whl`: it holds the server's wheels, see gpu_serve.sh),
+# one stage per call; tp and dp need `nvidia-h200-x2`, the others one GPU:
 #   bash scripts/gpu_plan.sh tests    # every GPU test, two-GPU tensor parallelism included
 #   bash scripts/gpu_plan.sh kernels  # attention: fp8 layouts vs bf16, ragged decode vs copy
 #                                     # bandwidth; the seed workload with bf16 and fp8 caches
@@ -12,9 +12,8 @@
 #                                     # defaults (two), --mixed-graphs (steps, engine loop
 #                                     # phases, CPU per process)
 #   bash scripts/gpu_plan.sh dp       # DP=1 vs DP=2, two and four front ends, 2,048 prompts
-#   bash scripts/gpu_plan.sh store    # the fused RoPE + K/V store, two programs a token against
-#                                     # one a head (ROPE_STORE_PER_HEAD, 1 and 2 warps): a
-#                                     # decode step's kernels, and the seed workload, fp8, bf16
+#   bash scripts/gpu_plan.sh store    # the K/V store per cache format (benchmarks/kv_store.py),
+#                                     # then the seed workload, fp8 and bf16 caches
 # Logs go to $OUT (or ./gpu-out).
 set -u
 stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp or store"}
@@ -75,21 +74,13 @@ case "$stage" in
         | grep -E "server CPU|engine steps|engine loop|^ +inf" | tee "$OUT/$name.log"
     done ;;
   store)
-    # the constant is set in this copy of the tree, and put back at the end; fp8 then bf16
-    # STORE_RUNS: a comma-separated part of the list, for a call that has room for less
-    IFS=, read -ra runs <<< "${STORE_RUNS:-1 fp8,0 fp8,2 fp8,0 auto,1 auto}"
-    for run in "${runs[@]}"; do
-      set -- $run
-      sed -i "s/^ROPE_STORE_PER_HEAD = .*/ROPE_STORE_PER_HEAD = $1/" \
-        nanovllm/kernels/triton_kv_store.py
-      echo "== ROPE_STORE_PER_HEAD=$1, kv cache $2"
-      timeout 100 python3 -m benchmarks.profile_step --kv-cache-dtype "$2" 2>&1 \
-        | grep -E "unprofiled|GPU kernel time|_rope_store_kernel" | tee -a "$OUT/store.log"
-      timeout 100 python3 -m benchmarks.offline --no-peer --kv-cache-dtype "$2" 2>&1 \
+    # the K/V store per cache format, a decode and a prefill step's; then the seed workload
+    timeout 120 python3 -m benchmarks.kv_store --pattern decode prefill --tokens 256 16384 \
+      2>&1 | tee "$OUT/kv_store.log" | tail -9
+    for dtype in fp8 auto; do
+      timeout 100 python3 -m benchmarks.offline --no-peer --kv-cache-dtype "$dtype" 2>&1 \
         | grep "^nano-vLLM  " | tee -a "$OUT/store.log"
-    done
-    sed -i "s/^ROPE_STORE_PER_HEAD = .*/ROPE_STORE_PER_HEAD = 0/" \
-      nanovllm/kernels/triton_kv_store.py ;;
+    done ;;
   *)
     echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp or store" >&2
     exit 2 ;;

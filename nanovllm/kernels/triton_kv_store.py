@@ -16,11 +16,6 @@ from nanovllm.kernels.torch_attention import v_transposed
 from nanovllm.kernels.triton_ops import qk_norm_rope, qk_norm_rope_program, rope_launch
 
 FP8_MAX = tl.constexpr(448.0)  # the largest float8 e4m3 value
-# qk_norm_rope_store's grid, an experiment not yet measured on a GPU: 0, two programs a token
-# (its q heads; its k heads, then its K/V store); n > 0, a program of n warps per head (a k
-# head's program stores that head), for more programs with shorter chains: an fp8 store
-# took 10.4 us a layer against bf16's 1.8 at 256 tokens (BENCHMARKS.md, 2026-12-01)
-ROPE_STORE_PER_HEAD = 0
 
 
 @triton.jit
@@ -140,27 +135,21 @@ def _rope_store_kernel(
     HAS_NORM: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr, Q_PROGRAMS: tl.constexpr,
+    V_T: tl.constexpr = False,
 ):
-    # programs (token, 0 .. Q_PROGRAMS - 1) rotate the token's q heads, the others its k
-    # heads, then store the rotated K and the V of those heads into the cache. Two programs
-    # a token, or one a head (ROPE_STORE_PER_HEAD): the launcher passes each program's head
-    # counts (NUM_Q_HEADS ... BLOCK_H) and Q_PROGRAMS
+    # program (token, 0) rotates the token's q heads; (token, 1) its k heads, then stores the
+    # rotated K and the V into the cache
     tok, which = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    is_k = which >= Q_PROGRAMS
-    qh = tl.minimum(which, Q_PROGRAMS - 1) * NUM_Q_HEADS  # this program's first head
-    kh = tl.maximum(which - Q_PROGRAMS, 0) * NUM_K_HEADS
     qk_norm_rope_program(
-        tok, is_k.to(tl.int32), q_ptr + qh * stride_qh, k_ptr + kh * stride_kh, pos_ptr,
-        cos_ptr, sin_ptr, qw_ptr, kw_ptr, stride_qt, stride_qh, stride_qd, stride_kt,
-        stride_kh, stride_kd, stride_cos, stride_sin, eps, NUM_Q_HEADS, NUM_K_HEADS, HALF,
-        BLOCK_QH, BLOCK_KH, BLOCK_HALF, HAS_NORM,
+        tok, which, q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+        stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_cos,
+        stride_sin, eps, NUM_Q_HEADS, NUM_K_HEADS, HALF, BLOCK_QH, BLOCK_KH, BLOCK_HALF,
+        HAS_NORM,
     )
-    if is_k:
+    if which == 1:
         tl.debug_barrier()  # the rotated K, written by every thread of this program
         _store_token(
-            tok, k_ptr + kh * stride_kh, v_ptr + kh * stride_vh,
-            k_cache_ptr + kh * stride_kch, v_cache_ptr + kh * stride_vch, slot_ptr,
+            tok, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
             stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
             stride_kcb, stride_kcs, stride_kch, stride_kcd,
             stride_vcb, stride_vcs, stride_vch, stride_vcd,
@@ -184,15 +173,10 @@ def qk_norm_rope_store(
         return q, k
     assert v.shape == k.shape
     args, consts = launch
-    consts |= _store_consts(k, k_cache, v_cache) | dict(Q_PROGRAMS=1)
-    programs = 2
-    if ROPE_STORE_PER_HEAD:
-        programs = q.shape[1] + k.shape[1]
-        consts |= dict(Q_PROGRAMS=q.shape[1], NUM_Q_HEADS=1, NUM_K_HEADS=1, BLOCK_QH=1,
-                       BLOCK_KH=1, NUM_HEADS=1, BLOCK_H=1, num_warps=ROPE_STORE_PER_HEAD)
-    _rope_store_kernel[(q.shape[0], programs)](
+    _rope_store_kernel[(q.shape[0], 2)](
         *args, v, k_cache, v_cache, slot_mapping,
-        *v.stride(), *k_cache.stride(), *v_cache.stride(), **consts,
+        *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        **consts, **_store_consts(k, k_cache, v_cache),
     )
     return q, k
 

@@ -113,11 +113,9 @@ def record(kv_cache_dtype: str, scales: str) -> list:
     qkv = torch.zeros(tokens, (HQ + 2 * HKV) * D, dtype=torch.bfloat16)
     q_, k_, v_ = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)
     rope, norm = torch.zeros(4096, D // 2), torch.ones(D, dtype=torch.bfloat16)
-    for per_head in (0, 1):  # its grids: two programs a token, a program a head
-        ts.ROPE_STORE_PER_HEAD = per_head
-        ts.qk_norm_rope_store(q_.view(tokens, HQ, D), k_.view(tokens, HKV, D),
-                              v_.view(tokens, HKV, D), torch.zeros(tokens, dtype=torch.int64),
-                              rope, rope, *cache, meta.slot_mapping, norm, norm)
+    ts.qk_norm_rope_store(q_.view(tokens, HQ, D), k_.view(tokens, HKV, D),
+                          v_.view(tokens, HKV, D), torch.zeros(tokens, dtype=torch.int64),
+                          rope, rope, *cache, meta.slot_mapping, norm, norm)
     tb.paged_attention(q, *cache, meta, D**-0.5)
     before = len(calls)  # and the decode kernel launched longest row first
     tb.paged_attention(q, *cache, meta, D**-0.5, longest_first=True)

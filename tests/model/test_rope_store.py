@@ -31,13 +31,10 @@ def caches(fmt: str, blocks: int, bs: int, hkv: int, d: int, dtype, device):
     return k, v
 
 
-@pytest.mark.parametrize("per_head", [0, 1], ids=["two-programs", "per-head"])
 @pytest.mark.parametrize("with_norm", [True, False], ids=["qk-norm", "no-norm"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 32), (6, 3, 48)], ids=["pow2", "odd-widths"])
-def test_fused_equals_rope_then_store(triton_device, fmt, with_norm, per_head, hq, hkv, d,
-                                      monkeypatch):
-    monkeypatch.setattr(ts, "ROPE_STORE_PER_HEAD", per_head)  # the grid's two layouts
+def test_fused_equals_rope_then_store(triton_device, fmt, with_norm, hq, hkv, d):
     tokens, bs, blocks = 11, 16, 4
     dtype = torch.float16
     q_size, kv_size = hq * d, hkv * d
