@@ -6,15 +6,14 @@
 One layer of Qwen3-0.6B's shape (16 q heads, 8 KV heads of 128). `decode`: each token goes
 to a slot of its own block, as a decode step's rows do; `prefill`: the tokens fill
 consecutive slots, a prefill chunk's (--tokens 16384: a full prefill step of the GPU's
-defaults). Per
-format, three launches: `store_kv` alone, the RoPE alone (`qk_norm_rope`, no cache) and
-both fused (`qk_norm_rope_store`, the engine's path when a layer's ops and attention are
-Triton's). Formats: the bf16 cache; fp8 with one scale (128 bytes a token-head); fp8 with
-a float32 scale per token-head (144 bytes), V row-major; and the same with V transposed
-within each block (the engine's fp8 cache, worker/kv_cache.py), whose V bytes go one per
-row, `block_size` bytes apart. Times are `triton.testing.do_bench_cudagraph` medians in
-microseconds (a graph of the launch replayed, so the host's launch cost is not in them);
-"of write" is the time to write the bytes the format stores once at the device's copy
+defaults). Per format, three launches: `store_kv` alone, the RoPE alone (`qk_norm_rope`, no
+cache) and both fused (`qk_norm_rope_store`, the engine's path when a layer's ops and
+attention are Triton's). Formats: the bf16 cache; fp8 with one scale (128 bytes a
+token-head); fp8 with a float32 scale per token-head (144 bytes), V row-major; and the same
+with V transposed within each block (the engine's fp8 cache, worker/kv_cache.py), whose V
+bytes go one per row, `block_size` bytes apart. Times are `triton.testing.do_bench_cudagraph`
+medians in microseconds (a graph of the launch replayed, so the host's launch cost is not in
+them); "of write" is the time to write the bytes the format stores once at the device's copy
 bandwidth (a lower bound a store could approach only with whole sectors).
 """
 
