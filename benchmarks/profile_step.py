@@ -2,12 +2,14 @@
 and any host<->device synchronization inside the step loop.
 
     python -m benchmarks.profile_step [--model DIR] [--steps 20] [--no-overlap]
-                                      [--kv-cache-dtype fp8]
+                                      [--kv-cache-dtype fp8] [--prefill]
 
 Runs 256 requests of the offline workload's shape until prefill is over, then profiles
 `--steps` decode steps with torch.profiler and CUDA's sync debug mode. (Its draws are
 bench.py's ranges taken request by request, prompt then max_tokens: not the offline
-workload's requests, which draw all prompts first.)
+workload's requests, which draw all prompts first.) `--prefill` profiles the prefill steps
+instead (the first ~9 steps of 16,384 tokens, after a warm-up request set of the same
+shape has been served once).
 """
 
 import argparse
@@ -27,6 +29,7 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--num-seqs", type=int, default=256, help="rows in the profiled decode")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    ap.add_argument("--prefill", action="store_true", help="profile the prefill steps")
     args = ap.parse_args()
 
     from nanovllm import LLM, SamplingParams
@@ -36,25 +39,49 @@ def main() -> None:
               overlap=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     random.seed(0)
-    for _ in range(args.num_seqs):
-        prompt = [random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
-        engine.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True,
-                                                  max_tokens=random.randint(100, 1024)))
-    while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
-        engine.step()
-    for _ in range(20):
-        engine.step()
+
+    def add_requests(max_tokens=None):
+        for _ in range(args.num_seqs):
+            prompt = [random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
+            n = random.randint(100, 1024)
+            engine.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True,
+                                                      max_tokens=max_tokens or n))
+
+    def in_prefill():
+        return engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running)
+
+    if args.prefill:  # one set served to the end first: every kernel compiled and warm
+        add_requests(max_tokens=2)
+        while engine.has_unfinished_requests():
+            engine.step()
+    add_requests()
+    if not args.prefill:
+        while in_prefill():
+            engine.step()
+        for _ in range(20):
+            engine.step()
+
+    def run() -> int:
+        if not args.prefill:
+            for _ in range(args.steps):
+                engine.step()
+            return args.steps
+        n = 0
+        while in_prefill():
+            engine.step()
+            n += 1
+        return n
+
     parts = _time_launch_parts()
-    # unprofiled first: host time by part with nothing but perf_counter around the parts
-    torch.cuda.synchronize()
-    t_before, start = dict(engine.timing), time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    print(f"unprofiled, {len(engine.scheduler.running)} rows: "
-          f"{wall / args.steps * 1e3:.2f} ms/step")
-    _print_host_parts(engine, t_before, parts, args.steps)
+    if not args.prefill:  # unprofiled first: host time by part, nothing but perf_counter
+        torch.cuda.synchronize()
+        t_before, start = dict(engine.timing), time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        print(f"unprofiled, {len(engine.scheduler.running)} rows: "
+              f"{wall / args.steps * 1e3:.2f} ms/step")
+        _print_host_parts(engine, t_before, parts, args.steps)
     parts.clear()
     torch.cuda.synchronize()
     t0 = dict(engine.timing)
@@ -65,18 +92,17 @@ def main() -> None:
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         ) as prof:
-            for _ in range(args.steps):
-                engine.step()
+            steps = run()
             torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode(0)
     wall = time.perf_counter() - start
     rows = len(engine.scheduler.running)
-    print(f"{args.steps} decode steps, {rows} rows, overlap={engine.overlap}: "
-          f"{wall / args.steps * 1e3:.2f} ms/step (profiled)")
-    _print_host_parts(engine, t0, parts, args.steps)
+    print(f"{steps} {'prefill' if args.prefill else 'decode'} steps, {rows} rows, "
+          f"overlap={engine.overlap}: {wall / steps * 1e3:.2f} ms/step (profiled)")
+    _print_host_parts(engine, t0, parts, steps)
     kernel_us = sum(e.device_time_total for e in prof.key_averages()
                     if e.device_type == torch.autograd.DeviceType.CUDA)
-    print(f"GPU kernel time {kernel_us / args.steps / 1e3:.2f} ms/step "
+    print(f"GPU kernel time {kernel_us / steps / 1e3:.2f} ms/step "
           f"({kernel_us / 1e6 / wall:.0%} of profiled wall time)")
     syncs = {}
     for w in caught:
