@@ -5,6 +5,7 @@
     python -m benchmarks.attention --fp8      # bf16 against fp8 caches (V transposed as the
                                               # engine stores it, and in rows), fp8 tile sweep
     python -m benchmarks.attention --ragged   # ragged decode against the copy bandwidth
+    python -m benchmarks.attention --prefill  # prefill tiles on a seed prefill step, 8 x 512
 
 Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf16).
 Times are `triton.testing.do_bench` medians (L2 flushed before each run); "graph" is the
@@ -272,6 +273,42 @@ def sweeps(table: Table) -> None:
                         run_triton(table, case, impl, batch, prefill_config=cfg)
 
 
+def seed_prefill_rows(tokens: int = 16384, seed: int = 0) -> list[tuple[int, int]]:
+    """A first prefill step of the seed workload: fresh prompts of 100-1,024 tokens filling
+    the GPU's default step of 16,384 tokens (the last one cut, as chunked prefill would)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, total = [], 0
+    while total < tokens:
+        n = min(int(torch.randint(100, 1025, (1,), generator=gen)), tokens - total)
+        rows.append((n, n))
+        total += n
+    return rows
+
+
+def prefill_sweep(table: Table) -> None:
+    """Prefill tile choices around the default, on a seed prefill step (the engine's bf16
+    cache: blocks of 16) and on 8 x 512, with SDPA on contiguous 8 x 512 for scale."""
+    from nanovllm.kernels import triton_attention as tb
+
+    rows = seed_prefill_rows()
+    for case, batch_rows in ((f"prefill seed step {len(rows)} rows bs=16", rows),
+                             ("prefill 8x512 bs=16", [(512, 512)] * 8)):
+        default = tb.default_prefill_config(D, max(q for q, _ in batch_rows), HQ // HKV, DTYPE)
+        print(f"\n-- {case} (default {default})")
+        if not (batch := make_batch(table, case, batch_rows, 16)):
+            continue
+        run_triton(table, case, "default", batch)
+        for block_m in (64, 128):
+            for block_n in (32, 64, 128):
+                for num_warps in (4, 8):
+                    for num_stages in (2, 3, 4):
+                        cfg = tb.TileConfig(block_m, block_n, num_warps, num_stages)
+                        impl = f"m{block_m} n{block_n} w{num_warps} s{num_stages}"
+                        run_triton(table, case, impl, batch, prefill_config=cfg)
+        del batch
+    run_sdpa(table, "prefill 8x512 contiguous", 8, 512)
+
+
 def fp8_table(table: Table, block_sizes: tuple[int, ...] = (256,), sweeps: bool = True) -> None:
     """The same batches over a bf16 cache and both fp8 formats (GB/s counts each format's own
     bytes, so equal GB/s means the fp8 run took about half the time), at each cache block
@@ -390,6 +427,8 @@ def main() -> int:
                         help="only bf16 against fp8 caches, and the fp8 decode tile sweep")
     parser.add_argument("--ragged", action="store_true",
                         help="only decode over ragged contexts against the copy bandwidth")
+    parser.add_argument("--prefill", action="store_true",
+                        help="only the prefill tile sweep (a seed prefill step, 8 x 512)")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[256],
                         help="--fp8: the cache block sizes of its table (the engine's is 16)")
     args = parser.parse_args()
@@ -405,7 +444,7 @@ def main() -> int:
     fp8 = functools.partial(fp8_table, block_sizes=tuple(args.block_sizes), sweeps=not args.quick)
     fp8.__name__ = "fp8_table"
     parts = ((decode_split_sweep,) if args.splits else (fp8,) if args.fp8
-             else (ragged_table,) if args.ragged
+             else (ragged_table,) if args.ragged else (prefill_sweep,) if args.prefill
              else (main_table, None if args.quick else sweeps))
     for part in parts:
         if part is None:

@@ -73,6 +73,7 @@ MAX_SPLITS = 64
 # on the H200 the seed's ragged decode contexts read at 1.01 of copy bandwidth with it, 0.88
 # without, and the seed workload runs 1.05x faster (BENCHMARKS.md)
 LONGEST_FIRST = True
+PREFILL_BLOCK_N, PREFILL_STAGES = 32, 3  # a bf16 cache's prefill tiles (default_prefill_config)
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,15 @@ class TileConfig:
 
 
 def default_prefill_config(
-    head_dim: int, max_query_len: int, group: int, dtype: torch.dtype = torch.bfloat16
+    head_dim: int, max_query_len: int, group: int, dtype: torch.dtype = torch.bfloat16,
+    fp8: bool = False,
 ) -> TileConfig:
     # Sized on sm_90 to compile without register spills (checked with ptxas -v): bf16 d128
     # at 180 regs. fp32 is the exact test path; its "ieee" dot runs on FMAs, so small tiles.
+    # A bf16 cache's KV tiles are 32 positions (3 stages at 8 warps): on the H200 a seed
+    # prefill step (27 fresh prompts, 16,384 tokens) took 0.243 ms against 0.306 with 64
+    # and 2, 8 x 512 0.062 against 0.071 (benchmarks/attention.py --prefill); an fp8
+    # cache's stay 64 (not swept).
     exact = dtype == torch.float32
     cap = 32 if exact else 128 if head_dim <= 128 else 64
     # a tile holds at least one token of every query head of the group; beyond that, short
@@ -98,7 +104,10 @@ def default_prefill_config(
     if exact:
         return TileConfig(block_m, block_n=16, num_warps=8, num_stages=2)
     if head_dim <= 128:
-        return TileConfig(block_m, block_n=64, num_warps=8 if block_m >= 128 else 4, num_stages=2)
+        wide = block_m >= 128
+        return TileConfig(block_m, block_n=64 if fp8 else PREFILL_BLOCK_N,
+                          num_warps=8 if wide else 4,
+                          num_stages=PREFILL_STAGES if wide and not fp8 else 2)
     return TileConfig(block_m, block_n=32, num_warps=4, num_stages=2)
 
 
@@ -598,14 +607,14 @@ def paged_attention(
     if has_decode_rows:
         _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group,
                        meta.max_context_len, num_splits, decode_config, **common)
+    flags = _fp8_flags(k_cache, v_cache, head_dim, q)
     cfg = prefill_config or default_prefill_config(head_dim, meta.max_query_len, group,
-                                                    q.dtype)
+                                                    q.dtype, fp8=flags["FP8"])
     block_g = _pow2(group)
     if cfg.block_m % block_g or cfg.block_m < 16:
         raise ValueError(f"block_m={cfg.block_m} must be >= 16 and a multiple of {block_g}")
     block_q = cfg.block_m // block_g
     grid = (num_tokens // block_q + num_rows, num_kv_heads)
-    flags = _fp8_flags(k_cache, v_cache, head_dim, q)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out,
         meta.query_start_loc, meta.context_lens, meta.block_tables, scale_log2, num_rows,
