@@ -6,6 +6,8 @@
                                               # engine stores it, and in rows), fp8 tile sweep
     python -m benchmarks.attention --ragged   # ragged decode against the copy bandwidth
     python -m benchmarks.attention --prefill  # prefill tiles on a seed prefill step, 8 x 512
+    python -m benchmarks.attention --fp8-decode  # the experimental fp8 decode (wgmma e4m3)
+                                                 # against the engine's, bf16 for scale
 
 Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf16).
 Times are `triton.testing.do_bench` medians (L2 flushed before each run); "graph" is the
@@ -357,6 +359,42 @@ def fp8_table(table: Table, block_sizes: tuple[int, ...] = (256,), sweeps: bool 
         del batch
 
 
+def fp8_decode_table(table: Table) -> None:
+    """kernels/triton_fp8_decode.py (positions as M, both dots on fp8 tensor cores; P in
+    e4m3 or float16) against the engine's fp8 decode and the bf16 cache's, CUDA-graph times,
+    on blocks of 128 (an fp8 cache's on a GPU). Its error against the fp32 attention over the
+    same values is printed, not failed: quantizing q and P is the point (the tests bound
+    it)."""
+    from nanovllm.kernels import triton_fp8_decode as fd
+
+    for name, rows in (("decode B=256 ctx~1100", decode_rows(256, 1000, 1200)),
+                       ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000)),
+                       ("decode seed contexts", seed_decode_rows(256)),
+                       ("decode B=16 ragged 100-2000", decode_rows(16, 100, 2000))):
+        case = f"{name} bs=128"
+        if batch := make_batch(table, f"{case} bf16", rows, 128):
+            run_triton(table, f"{case} bf16", "triton (engine)", batch, graph=True)
+        del batch
+        for kv in ("fp8-token", "fp8-tensor"):
+            if not (batch := make_batch(table, f"{case} {kv}", rows, 128, kv)):
+                continue
+            run_triton(table, f"{case} {kv}", "triton (engine)", batch, graph=True)
+            for fp8_p in (True, False):
+                for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3)):
+                    impl = f"wgmma P {'e4m3' if fp8_p else 'f16'} w{warps} s{stages}"
+                    fn = functools.partial(fd.decode_fp8, batch.q, batch.k_cache,
+                                           batch.v_cache, batch.meta, batch.scale,
+                                           fp8_p=fp8_p, num_warps=warps, num_stages=stages)
+                    try:
+                        err = rel_error(fn(), batch.expected())
+                        table.row(f"{case} {kv}", impl, bench(fn), bench_graph(fn),
+                                  batch.kv_bytes, batch.flops, None)
+                        print(f"{'':44s} {'  error vs fp32 attention':28s} {err:9.1e}")
+                    except Exception as exc:
+                        table.error(f"{case} {kv}", impl, exc)
+            del batch
+
+
 def seed_decode_rows(num_rows: int, seed: int = 0) -> list[tuple[int, int]]:
     """Decode rows as the seed workload (bench.py) has them midway: prompts of 100-1,024
     tokens, outputs of 100-1,024, each row some way through its output."""
@@ -427,6 +465,8 @@ def main() -> int:
                         help="only bf16 against fp8 caches, and the fp8 decode tile sweep")
     parser.add_argument("--ragged", action="store_true",
                         help="only decode over ragged contexts against the copy bandwidth")
+    parser.add_argument("--fp8-decode", action="store_true",
+                        help="only the experimental fp8 decode against the engine's")
     parser.add_argument("--prefill", action="store_true",
                         help="only the prefill tile sweep (a seed prefill step, 8 x 512)")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[256],
@@ -445,6 +485,7 @@ def main() -> int:
     fp8.__name__ = "fp8_table"
     parts = ((decode_split_sweep,) if args.splits else (fp8,) if args.fp8
              else (ragged_table,) if args.ragged else (prefill_sweep,) if args.prefill
+             else (fp8_decode_table,) if args.fp8_decode
              else (main_table, None if args.quick else sweeps))
     for part in parts:
         if part is None:

@@ -83,11 +83,13 @@ def record(kv_cache_dtype: str, scales: str) -> list:
     # kernels swapped for recorders
     ts = importlib.reload(importlib.import_module("nanovllm.kernels.triton_kv_store"))
     tb = importlib.reload(importlib.import_module("nanovllm.kernels.triton_attention"))
+    fd = importlib.reload(importlib.import_module("nanovllm.kernels.triton_fp8_decode"))
     fmt = KVFormat.of(kv_cache_dtype, scales, torch.bfloat16, D)
     calls = []
     for module, name in ((ts, "_store_kv_kernel"), (ts, "_rope_store_kernel"),
                          (tb, "_decode_kernel"),
-                         (tb, "_reduce_kernel"), (tb, "_prefill_kernel")):
+                         (tb, "_reduce_kernel"), (tb, "_prefill_kernel"),
+                         (fd, "_decode_fp8_kernel")):
         setattr(module, name, Recorder(getattr(module, name), calls))
     # a mixed step: two decode rows with long contexts (KV splits) and a prefill chunk
     rows = [(1, 3000), (1, 700), (300, 800)]
@@ -116,6 +118,9 @@ def record(kv_cache_dtype: str, scales: str) -> list:
     ts.qk_norm_rope_store(q_.view(tokens, HQ, D), k_.view(tokens, HKV, D),
                           v_.view(tokens, HKV, D), torch.zeros(tokens, dtype=torch.int64),
                           rope, rope, *cache, meta.slot_mapping, norm, norm)
+    if fmt.dtype == torch.uint8:  # the experimental fp8 decode, P in e4m3 and in float16
+        for fp8_p in (True, False):
+            fd.decode_fp8(q, *cache, meta, D**-0.5, fp8_p=fp8_p, num_splits=1)
     tb.paged_attention(q, *cache, meta, D**-0.5)
     before = len(calls)  # and the decode kernel launched longest row first
     tb.paged_attention(q, *cache, meta, D**-0.5, longest_first=True)
@@ -123,6 +128,8 @@ def record(kv_cache_dtype: str, scales: str) -> list:
     for _, _, kwargs in calls:  # these bf16 queries would be on a GPU: its fp8 conversion
         if "FP8_ASM" in kwargs:
             kwargs["FP8_ASM"] = kwargs["FP8"]
+        if "EXACT" in kwargs:  # and its rounding to e4m3, by the hardware's cvt
+            kwargs["EXACT"] = False
     return calls
 
 
@@ -157,7 +164,7 @@ def main() -> None:
     launches += [("sampler", call) for call in record_sampler()]
     for case, (fn, args, kwargs) in launches:
         sig, consts, attrs, options = _signature(fn, args, dict(kwargs))
-        out = {"kernel": fn.__name__, "case": case}
+        out = {"kernel": fn.__name__, "case": case, "fp8_p": kwargs.get("FP8_P")}
         try:
             src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         except TypeError as e:
@@ -173,7 +180,9 @@ def main() -> None:
             out["stores"] = len(re.findall(r"st\.shared[.\w]*", ptx))
             # the instructions the sampler's noise costs (Philox rounds, logarithms)
             out["ops"] = {op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))
-                          for op in ("mul.hi.u32", "lg2.approx.f32")}
+                          for op in ("mul.hi.u32", "lg2.approx.f32", "cvt.rn.f16x2.e4m3x2")}
+            # fp8 operands on the tensor cores as they are (the experimental decode)
+            out["ops"]["wgmma e4m3"] = len(re.findall(r"wgmma\.mma_async[.\w]*e4m3", ptx))
         print(json.dumps(out), flush=True)
 
 

@@ -1,6 +1,7 @@
 """The attention kernels compile for sm_90 (H100/H200) on this CPU machine, for a bf16 cache and
 both fp8 formats, and their K/V tiles load in vectors, not bytes (tests/model/sm90_ptx.py);
-the one-pass sampler compiles with its cheap noise.
+the one-pass sampler compiles with its cheap noise; the experimental fp8 decode runs its dots
+on the fp8 tensor cores.
 The interpreter tests check what the kernels compute; this checks what only the compiler
 sees: code it rejects and loads it cannot vectorize (an fp8 row of head_dim + 4 bytes made the
 decode kernel load 128 single bytes per tile and ran the seed workload at 2,016 tok/s)."""
@@ -60,6 +61,15 @@ def test_attention_kernels_compile_for_sm90_with_vector_loads():
             bf16 = next(x for x in results if x["kernel"] == r["kernel"]
                         and x["case"] == "bf16")
             assert r["stores"] <= bf16["stores"] + (r["case"] == "fp8-token"), (r, bf16)
+    # the experimental fp8 decode (kernels/triton_fp8_decode.py): both dots on the fp8
+    # tensor cores (wgmma .e4m3) with positions as M, and with P in e4m3 not one byte of the
+    # cache converted; P in float16 keeps q @ K^T in fp8 and converts V
+    fp8_decode = [r for r in results if r["kernel"] == "_decode_fp8_kernel"]
+    assert {(r["case"], r["fp8_p"]) for r in fp8_decode} == {
+        (c, p) for c in ("fp8-token", "fp8-tensor") for p in (True, False)}
+    for r in fp8_decode:
+        assert r["ops"]["wgmma e4m3"] >= (16 if r["fp8_p"] else 8), r
+        assert (r["ops"]["cvt.rn.f16x2.e4m3x2"] == 0) == r["fp8_p"], r
     # the sampler's noise for a tile, 16 tokens a thread: one Philox call gives four tokens
     # their uniforms (a call per token was 257 wide multiplies) and the logarithms are the
     # hardware's (tl.log2's polynomial, 384 FMAs); it took 221 us a step at 256 rows on an

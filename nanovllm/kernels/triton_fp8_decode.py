@@ -1,0 +1,265 @@
+"""An experiment, not yet used by the engine: decode attention over an fp8 cache on the
+tensor cores' fp8 path, for the H200 to measure against `triton_attention`'s decode.
+
+`triton_attention._decode_kernel` converts every K and V byte to float16 in registers before
+its dots (the GQA group's query heads, padded to 16, are the dots' M): per byte of cache that
+is about twice the instructions of the bf16 kernel, and the fp8 decode reads at ~0.74 of
+what its bytes allow on the H200 (BENCHMARKS.md). Here the operands are swapped, as
+FlashAttention-3's and FlashInfer's GQA decode kernels do: the tile's positions are M,
+
+    S^T [N, G] = K [N, D] @ q^T [D, G]        O^T [D, G] += V^T [D, N] @ P^T [N, G]
+
+so K (rows of bytes, D contiguous) and V^T (the transposed V cache's rows, positions
+contiguous) are the A operands straight from shared memory, and Triton compiles both dots
+for sm_90 to `wgmma ... m64n16k32 .e4m3.e4m3` (tests/model/test_triton_ptx.py checks):
+no conversion of the cache at all. The price is precision, on two sides:
+
+- q is quantized to e4m3 with a scale per (token, head), amax / 448, as the cache stores K;
+- P (`FP8_P`): the probabilities times each position's V scale, divided by the tile's
+  largest V scale so they lie in [0, 1], rounded to e4m3 (3 mantissa bits; below 2^-6 they
+  are subnormal, down to 2^-9). Without `FP8_P`, P and V^T go to the dot as float16 (V
+  converted, as today), and only q is quantized.
+
+`reference_attention` states those numerics in torch; the tests hold the kernel to it (CPU
+interpreter and CUDA) and both to the fp32 attention within fp8's error. Same launch
+contract as `triton_attention`'s decode: one program per (row, kv head, split), partials
+combined by its `_reduce_kernel`; rows whose query length is not 1 are left alone.
+Supports what the engine's fp8 cache is on a GPU: V transposed within blocks of at least
+the tile, head_dim a power of 2.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels import torch_attention as ta
+from nanovllm.kernels.attention_metadata import AttentionMetadata
+from nanovllm.kernels.triton_attention import (
+    LOG2E,
+    NEG_BIG,
+    _num_sms,
+    _reduce_kernel,
+    _tile_block,
+    choose_num_splits,
+)
+from nanovllm.kernels.triton_kv_store import FP8_MAX, _fp8_flags, _round_e4m3
+
+BLOCK_N = 128  # positions a tile: one block's worth of an fp8 cache's 128-token blocks
+
+
+@triton.jit
+def _to_e4m3(x, EXACT: tl.constexpr):
+    # x (float32, |x| <= 448) as float8 e4m3, rounded to nearest even. EXACT: round in
+    # float32 first (the interpreter's own cast drops a mantissa's carry); a GPU's
+    # cvt.rn.satfinite does it in one instruction
+    if EXACT:
+        x = _round_e4m3(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_fp8_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    qsl_ptr, ctx_ptr, bt_ptr, scale_log2, num_splits,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    WRITE_OUT: tl.constexpr, SCALED: tl.constexpr, FP8_P: tl.constexpr, EXACT: tl.constexpr,
+):
+    row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(qsl_ptr + row)
+    is_decode = (tl.load(qsl_ptr + row + 1) - q_start) == 1
+    ctx = tl.where(is_decode, tl.load(ctx_ptr + row), 0)
+    num_tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    head_ok = offs_g < tl.where(is_decode, GROUP, 0)
+    q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0).to(tl.float32)
+    # q to e4m3, a scale per head (as the cache stores K), transposed: the dot's B [D, G]
+    q_scale = tl.maximum(tl.max(tl.abs(q), 1), 1e-12) / FP8_MAX
+    q8 = _to_e4m3(q / q_scale[:, None], EXACT)
+    qt = tl.trans(q8)
+    col_scale = q_scale * scale_log2  # [G]: the score's factor from q's side
+
+    m_i = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([HEAD_DIM, BLOCK_G], tl.float32)  # O^T
+    bt_row = bt_ptr + row.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        start = tile * BLOCK_N
+        valid = start + offs_n < ctx
+        kb = _tile_block(k_cache_ptr, bt_row, start, kv_head, stride_kb, stride_ks, stride_kh,
+                         BLOCK_SIZE, BLOCK_N) + offs_n * stride_ks  # [N] each position's row
+        k8 = tl.load(kb[:, None] + offs_d[None, :] * stride_kd).to(tl.float8e4nv, bitcast=True)
+        st = tl.dot(k8, qt)  # [N, G]
+        if SCALED:  # each position's float32 scale, after its values
+            k_scale = tl.load((kb + HEAD_DIM * stride_kd).to(tl.pointer_type(tl.float32)))
+            s = st * k_scale[:, None] * col_scale[None, :]
+        else:
+            s = st * col_scale[None, :]
+        # positions past the context lie in the tile's block: read, weighed 0 (their bytes
+        # are finite: the store writes no NaN)
+        s = tl.where(valid[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])  # [N, G]
+        l_i = l_i * alpha + tl.sum(p, 0)
+        # V^T [D, N]: the transposed cache's rows, the block's positions contiguous
+        vb = _tile_block(v_cache_ptr, bt_row, start, kv_head, stride_vb, stride_vs, stride_vh,
+                         BLOCK_SIZE, BLOCK_N) + offs_n * stride_vs
+        vt8 = tl.load(vb[None, :] + offs_d[:, None] * stride_vd).to(tl.float8e4nv, bitcast=True)
+        if SCALED:  # each position's scale: 4 bytes in rows HEAD_DIM .. + 3
+            bits = tl.load(vb + HEAD_DIM * stride_vd).to(tl.int32)
+            for j in tl.static_range(1, 4):
+                bits = bits | (tl.load(vb + (HEAD_DIM + j) * stride_vd).to(tl.int32) << (8 * j))
+            v_scale = tl.where(valid, bits.to(tl.float32, bitcast=True), 0.0)
+        else:
+            v_scale = tl.where(valid, 1.0, 0.0)
+        if FP8_P:
+            v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
+            p8 = _to_e4m3(p * (v_scale / v_max)[:, None], EXACT)
+            pv = tl.dot(vt8, p8) * v_max
+        else:
+            pv = tl.dot(vt8.to(tl.float16), (p * v_scale[:, None]).to(tl.float16))
+        acc = acc * alpha[None, :] + pv
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]  # [D, G]
+    if WRITE_OUT:
+        tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + heads[None, :] * stride_oh
+                 + offs_d[:, None] * stride_od, o.to(out_ptr.dtype.element_ty),
+                 mask=head_ok[None, :])
+    else:  # partials laid out [row, q head, split, (D)], as _reduce_kernel reads them
+        idx = (row * NUM_Q_HEADS + heads).to(tl.int64) * num_splits + split
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), NEG_BIG)
+        tl.store(part_lse_ptr + idx, lse, mask=head_ok)
+        tl.store(part_o_ptr + idx[None, :] * HEAD_DIM + offs_d[:, None], o,
+                 mask=head_ok[None, :])
+
+
+def decode_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float, *, fp8_p: bool = True,
+               num_splits: int | None = None, out: torch.Tensor | None = None,
+               num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """Decode attention ([T, Hq, D] -> [T, Hq, D]) of the rows with one query token over an
+    fp8 cache with V transposed, in the numerics of `reference_attention`, into `out` (default:
+    zeros); other rows' output is left as it was."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_rows, num_kv_heads = meta.context_lens.shape[0], k_cache.shape[2]
+    flags = _fp8_flags(k_cache, v_cache, head_dim)
+    if not (flags["FP8"] and flags["V_T"]) or k_cache.shape[1] % BLOCK_N:
+        raise ValueError("decode_fp8 needs an fp8 cache with V transposed, in blocks of "
+                         f"a multiple of {BLOCK_N} tokens")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"decode_fp8 needs a power-of-2 head_dim, not {head_dim}")
+    if out is None:
+        out = torch.zeros((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_rows == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = choose_num_splits(num_rows, num_kv_heads, meta.max_context_len,
+                                       _num_sms(q.device))
+    if num_splits > 1:
+        part_o = torch.empty((num_rows, num_q_heads, num_splits, head_dim),
+                             dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_rows, num_q_heads, num_splits),
+                               dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out
+    _decode_fp8_kernel[(num_rows, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse, meta.query_start_loc, meta.context_lens,
+        meta.block_tables, scale * LOG2E, num_splits,
+        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        meta.block_tables.stride(0),
+        NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
+        WRITE_OUT=num_splits == 1, SCALED=flags["SCALED"], FP8_P=fp8_p,
+        EXACT=not q.is_cuda, num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _reduce_kernel[(num_rows, num_q_heads)](
+            part_o, part_lse, out, meta.query_start_loc, num_splits, *out.stride(),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
+
+
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x (float32) rounded to e4m3 and back, saturating at +-448."""
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, *, fp8_p: bool = True,
+                        decode_only: bool = True, tile: int = BLOCK_N) -> torch.Tensor:
+    """`decode_fp8`'s numerics in float32 torch (one split): q rounded to e4m3 with a scale
+    per head; the running maximum kept per tile of `tile` positions as the kernel keeps it;
+    P times each position's V scale over the tile's largest, rounded to e4m3 (fp8_p) or to
+    float16. Rows with one query token; with `decode_only=False` every query token, over its
+    causal context, as if it were a decode row (what benchmarks/kv_accuracy.py estimates
+    the numerics' cost with). Other rows' output is 0."""
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    qsl, dim = meta.query_start_loc.tolist(), q.shape[2]
+    group = q.shape[1] // k_cache.shape[2]
+    bs = k_cache.shape[1]
+    for row, ctx in enumerate(meta.context_lens.tolist()):
+        n = qsl[row + 1] - qsl[row]
+        if n == 0 or ctx == 0 or (decode_only and n != 1):
+            continue
+        positions = torch.arange(ctx)
+        slots = meta.block_tables[row].cpu().long()[positions // bs] * bs + positions % bs
+        k_raw, v_raw = (ta._rows(c.cpu(), slots) for c in (k_cache, v_cache))
+        out[qsl[row]:qsl[row] + n] = _row_attention(
+            q[qsl[row]:qsl[row] + n].float().cpu(), k_raw, v_raw, dim, group,
+            scale * LOG2E, fp8_p, tile)
+    return out
+
+
+def _row_attention(q, k_raw, v_raw, dim, group, scale_log2, fp8_p, tile):
+    """One row's n query tokens (the last n positions of its context) [n, Hq, D] over the
+    context's cache bytes [ctx, Hkv, width]."""
+    n, ctx = q.shape[0], k_raw.shape[0]
+    k8, v8 = (r[..., :dim].contiguous().view(torch.float8_e4m3fn).float()
+              .repeat_interleave(group, dim=1) for r in (k_raw, v_raw))  # [ctx, Hq, D]
+    if k_raw.shape[-1] > dim:  # each position's float32 scale
+        ks, vs = (r[..., dim:dim + 4].contiguous().view(torch.float32)[..., 0]
+                  .repeat_interleave(group, dim=1) for r in (k_raw, v_raw))  # [ctx, Hq]
+    else:
+        ks = vs = torch.ones(ctx, q.shape[1])
+    q_scale = q.abs().amax(-1).clamp_min(1e-12) / 448.0  # [n, Hq]
+    q8 = _e4m3(q / q_scale[..., None])
+    s = torch.einsum("nhd,chd->hnc", q8, k8) * ks.T[:, None, :]
+    s = s * (q_scale.T * scale_log2)[..., None]
+    allowed = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]  # [n, ctx]
+    s = s.masked_fill(~allowed, float("-inf"))
+    w = vs.T[:, None, :].masked_fill(~allowed, 0.0)  # [Hq, n, ctx]: V scales, 0 past a query
+    tiles = -(-ctx // tile)
+    pad = tiles * tile - ctx
+    s = torch.nn.functional.pad(s, (0, pad), value=float("-inf")).view(*s.shape[:2], tiles, tile)
+    w = torch.nn.functional.pad(w, (0, pad)).view(*s.shape)
+    v = torch.nn.functional.pad(v8, (0, 0, 0, 0, 0, pad)).view(tiles, tile, *v8.shape[1:])
+    m = torch.cummax(s.amax(-1).clamp_min(-1e30), dim=-1).values  # [Hq, n, tiles] running max
+    p = torch.exp2(s - m[..., None])
+    carry = torch.exp2(m - m[..., -1:])  # each tile's factor at the end: the alphas after it
+    l_sum = (carry * p.sum(-1)).sum(-1)  # [Hq, n]
+    if fp8_p:
+        w_max = w.amax(-1).clamp_min(1e-30)  # [Hq, n, tiles]
+        pw = _e4m3(p * w / w_max[..., None]) * w_max[..., None]
+    else:
+        pw = (p * w).half().float()
+    pv = torch.einsum("hnti,tihd->hntd", pw, v)
+    acc = (carry[..., None] * pv).sum(-2)  # [Hq, n, D]
+    return (acc / l_sum.clamp_min(1e-30)[..., None]).permute(1, 0, 2)
