@@ -384,16 +384,8 @@ def _decode_kernel(
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + row)
-    q_len = tl.load(qsl_ptr + row + 1) - q_start
-    # rows with several tokens belong to the prefill kernel, rows with none are padding
-    is_decode = q_len == 1
-    ctx = tl.where(is_decode, tl.load(ctx_ptr + row), 0)
-    num_tiles = tl.cdiv(ctx, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-
+    q_start, is_decode, ctx, tile_lo, tile_hi = _decode_span(qsl_ptr, ctx_ptr, row, split,
+                                                             num_splits, BLOCK_N)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -424,14 +416,39 @@ def _decode_kernel(
         acc, m_i, l_i = _softmax_step(q.to(k.dtype), k, v, k_scale, v_scale, acc, m_i, l_i,
                                       valid[None, :], scale_log2, True, SCALED, DOT_PRECISION)
 
-    # an empty row or split (l == 0) yields 0, not 0/0
+    _decode_out(acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, row, split, num_splits,
+                q_start, heads, head_ok, dim_ok, offs_d, stride_ot, stride_oh, stride_od,
+                NUM_Q_HEADS, HEAD_DIM, WRITE_OUT)
+
+
+@triton.jit
+def _decode_span(qsl_ptr, ctx_ptr, row, split, num_splits, BLOCK_N: tl.constexpr):
+    # -> (q_start, is_decode, ctx, tile_lo, tile_hi): the row's query token, and the tiles
+    # of its context that this split covers. Rows with several tokens belong to the prefill
+    # kernel, rows with none are padding: their context counts as empty
+    q_start = tl.load(qsl_ptr + row)
+    is_decode = tl.load(qsl_ptr + row + 1) - q_start == 1
+    ctx = tl.where(is_decode, tl.load(ctx_ptr + row), 0)
+    num_tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    return q_start, is_decode, ctx, tile_lo, tile_hi
+
+
+@triton.jit
+def _decode_out(acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, row, split, num_splits,
+                q_start, heads, head_ok, dim_ok, offs_d, stride_ot, stride_oh, stride_od,
+                NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_OUT: tl.constexpr):
+    # a decode program's result (acc [G, D], running max and sum [G]): normalized into
+    # `out` (WRITE_OUT: one split), or as a partial for _reduce_kernel, laid out [row, q
+    # head, split, (D)] with its log2-sum-exp. An empty row or split (l == 0) yields 0
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     store_mask = head_ok[:, None] & dim_ok[None, :]
     if WRITE_OUT:
         tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
                  + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        # partials laid out [row, q head, split, (D)]
         idx = (row * NUM_Q_HEADS + heads).to(tl.int64) * num_splits + split
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), NEG_BIG)
         tl.store(part_lse_ptr + idx, lse, mask=head_ok)
@@ -652,13 +669,7 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, max_context_len,
                                        _num_sms(q.device))
-    if num_splits > 1:
-        part_o = torch.empty((num_rows, num_q_heads, num_splits, head_dim),
-                             dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_rows, num_q_heads, num_splits),
-                               dtype=torch.float32, device=q.device)
-    else:  # the kernel writes `out` directly and never touches these
-        part_o = part_lse = out
+    part_o, part_lse = split_partials(out, num_rows, num_splits)
     # Programs start in grid order, x fastest. In batch order a long row may start last and
     # run alone at the end; longest first, the last to start are the shortest (LPT order).
     grid = ((num_rows, num_kv_heads, num_splits) if order is None
@@ -673,7 +684,26 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, LONGEST_FIRST=order is not None, **flags,
     )
+    reduce_splits(part_o, part_lse, out, qsl, num_rows, num_splits)
+
+
+def split_partials(out: torch.Tensor, num_rows: int, num_splits: int):
+    """(part_o, part_lse) for a decode launch of `num_splits` splits: [rows, q heads, splits,
+    (D)] float32, or `out` twice for one split (the kernel writes `out` directly and never
+    touches these)."""
+    if num_splits == 1:
+        return out, out
+    _, num_q_heads, head_dim = out.shape
+    return (torch.empty((num_rows, num_q_heads, num_splits, head_dim), dtype=torch.float32,
+                        device=out.device),
+            torch.empty((num_rows, num_q_heads, num_splits), dtype=torch.float32,
+                        device=out.device))
+
+
+def reduce_splits(part_o, part_lse, out, qsl, num_rows: int, num_splits: int) -> None:
+    """Combine a decode launch's splits into `out` (nothing to do for one split)."""
     if num_splits > 1:
+        _, num_q_heads, head_dim = out.shape
         _reduce_kernel[(num_rows, num_q_heads)](
             part_o, part_lse, out, qsl, num_splits, *out.stride(),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim),

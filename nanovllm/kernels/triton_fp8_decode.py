@@ -37,10 +37,13 @@ from nanovllm.kernels.attention_metadata import AttentionMetadata
 from nanovllm.kernels.triton_attention import (
     LOG2E,
     NEG_BIG,
+    _decode_out,
+    _decode_span,
     _num_sms,
-    _reduce_kernel,
     _tile_block,
     choose_num_splits,
+    reduce_splits,
+    split_partials,
 )
 from nanovllm.kernels.triton_kv_store import FP8_MAX, _fp8_flags, _round_e4m3
 
@@ -71,13 +74,8 @@ def _decode_fp8_kernel(
     WRITE_OUT: tl.constexpr, SCALED: tl.constexpr, FP8_P: tl.constexpr, EXACT: tl.constexpr,
 ):
     row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_start = tl.load(qsl_ptr + row)
-    is_decode = (tl.load(qsl_ptr + row + 1) - q_start) == 1
-    ctx = tl.where(is_decode, tl.load(ctx_ptr + row), 0)
-    num_tiles = tl.cdiv(ctx, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    q_start, is_decode, ctx, tile_lo, tile_hi = _decode_span(qsl_ptr, ctx_ptr, row, split,
+                                                             num_splits, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -135,17 +133,9 @@ def _decode_fp8_kernel(
         acc = acc * alpha[None, :] + pv
         m_i = m_new
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]  # [D, G]
-    if WRITE_OUT:
-        tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + heads[None, :] * stride_oh
-                 + offs_d[:, None] * stride_od, o.to(out_ptr.dtype.element_ty),
-                 mask=head_ok[None, :])
-    else:  # partials laid out [row, q head, split, (D)], as _reduce_kernel reads them
-        idx = (row * NUM_Q_HEADS + heads).to(tl.int64) * num_splits + split
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), NEG_BIG)
-        tl.store(part_lse_ptr + idx, lse, mask=head_ok)
-        tl.store(part_o_ptr + idx[None, :] * HEAD_DIM + offs_d[:, None], o,
-                 mask=head_ok[None, :])
+    _decode_out(tl.trans(acc), m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, row, split,
+                num_splits, q_start, heads, head_ok, offs_d < HEAD_DIM, offs_d, stride_ot,
+                stride_oh, stride_od, NUM_Q_HEADS, HEAD_DIM, WRITE_OUT)
 
 
 def decode_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -171,13 +161,7 @@ def decode_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, meta.max_context_len,
                                        _num_sms(q.device))
-    if num_splits > 1:
-        part_o = torch.empty((num_rows, num_q_heads, num_splits, head_dim),
-                             dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_rows, num_q_heads, num_splits),
-                               dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out
+    part_o, part_lse = split_partials(out, num_rows, num_splits)
     _decode_fp8_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse, meta.query_start_loc, meta.context_lens,
         meta.block_tables, scale * LOG2E, num_splits,
@@ -188,12 +172,7 @@ def decode_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         WRITE_OUT=num_splits == 1, SCALED=flags["SCALED"], FP8_P=fp8_p,
         EXACT=not q.is_cuda, num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
-        _reduce_kernel[(num_rows, num_q_heads)](
-            part_o, part_lse, out, meta.query_start_loc, num_splits, *out.stride(),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
-        )
+    reduce_splits(part_o, part_lse, out, meta.query_start_loc, num_rows, num_splits)
     return out
 
 
