@@ -17,10 +17,10 @@ share of prompts whose whole continuation equals the bf16 cache's, and the mean 
 the common prefix.
 
 `--fp8-attention` adds the "fp8 token" engine twice more with its attention computed in the
-numerics of the experimental fp8 decode kernel (kernels/triton_fp8_decode.py, its torch
-statement `reference_attention`): q in e4m3, and q and P in e4m3. Applied to every query
-token, the teacher-forced pass's included (the kernel would only run decode rows), so the
-figures bound what those numerics cost from above.
+numerics of `fp8_attention` (kernels/triton_fp8_decode.py; in torch
+`torch_attention.fp8_decode_reference`): q in e4m3, and q and P in e4m3. Applied to every
+query token, the teacher-forced pass's included (the engine applies them to decode rows
+only), so the figures bound what those numerics cost from above.
 """
 
 import argparse
@@ -93,7 +93,6 @@ def _emulated_attention():
     "qp": q and P), or as usual (None). The torch backend's function is wrapped once, before
     any engine chooses its kernels (select_kernels caches the choice)."""
     from nanovllm.kernels import torch_attention as ta
-    from nanovllm.kernels import triton_fp8_decode as fd
 
     plain, state = ta.paged_attention, {"mode": None}
 
@@ -101,7 +100,7 @@ def _emulated_attention():
         mode = state["mode"]
         if mode is None or k_cache.dtype != torch.uint8:
             return plain(q, k_cache, v_cache, meta, scale)
-        return fd.reference_attention(q, k_cache, v_cache, meta, scale, fp8_p=mode == "qp",
+        return ta.fp8_decode_reference(q, k_cache, v_cache, meta, scale, fp8_p=mode == "qp",
                                       decode_only=False).to(q.dtype)
 
     ta.paged_attention = paged_attention

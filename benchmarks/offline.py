@@ -3,7 +3,7 @@
     python -m benchmarks.offline                    # random-weight Qwen3-0.6B, ours + HF peer
     python -m benchmarks.offline --model DIR --out r.json
     python -m benchmarks.offline --no-peer --enforce-eager
-    python -m benchmarks.offline --no-peer --kv-cache-dtype fp8
+    python -m benchmarks.offline --no-peer --kv-cache-dtype fp8 [--fp8-attention qp]
     python -m benchmarks.offline --quick            # CPU smoke test: 8 seqs, 2-layer model
 
 The workload (workloads.seed_workload) is nano-vllm's bench.py, draw for draw: random.seed(0);
@@ -119,7 +119,7 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
 def engine_options(args: argparse.Namespace) -> dict:
     opts: dict = dict(max_model_len=4096)  # bench.py's one option; the rest the engine's
     for name in ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                 "kv_cache_dtype"):
+                 "kv_cache_dtype", "fp8_attention"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     if args.block_size is not None:
@@ -236,6 +236,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
                     help="(default: the engine's, the model's dtype)")
+    ap.add_argument("--fp8-attention", choices=["off", "q", "qp"], default=None,
+                    help="with --kv-cache-dtype fp8: decode on the fp8 tensor cores "
+                    "(default: the engine's, off)")
     ap.add_argument("--out", help="write every figure to this JSON file")
     ap.add_argument(
         "--quick",

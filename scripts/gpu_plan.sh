@@ -14,9 +14,11 @@
 #   bash scripts/gpu_plan.sh dp       # DP=1 vs DP=2, two and four front ends, 2,048 prompts
 #   bash scripts/gpu_plan.sh store    # the K/V store per cache format (benchmarks/kv_store.py),
 #                                     # then the seed workload, fp8 and bf16 caches
+#   bash scripts/gpu_plan.sh fp8attn  # fp8_attention: its GPU tests, its decode kernel against
+#                                     # the engine's, the seed workload with off / q / qp
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp or store"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store or fp8attn"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -81,7 +83,18 @@ case "$stage" in
       timeout 100 python3 -m benchmarks.offline --no-peer --kv-cache-dtype "$dtype" 2>&1 \
         | grep "^nano-vLLM  " | tee -a "$OUT/store.log"
     done ;;
+  fp8attn)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/model/test_triton_fp8_decode.py tests/engine/test_fp8_attention.py 2>&1 \
+      | tee "$OUT/fp8attn_tests.log" | tail -3
+    timeout 120 python3 -m benchmarks.attention --fp8-decode 2>&1 \
+      | tee "$OUT/fp8attn_kernels.log" | tail -60
+    for mode in off qp q; do
+      timeout 100 python3 -m benchmarks.offline --no-peer --kv-cache-dtype fp8 \
+        --fp8-attention $mode --repeat 2 2>&1 | grep -E "^nano-vLLM  |run 2" \
+        | sed "s/^/$mode: /" | tee -a "$OUT/fp8attn_offline.log"
+    done ;;
   *)
-    echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp or store" >&2
+    echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store or fp8attn" >&2
     exit 2 ;;
 esac

@@ -57,6 +57,10 @@ class EngineConfig:
     # 448) | tensor (one static scale of 1). Both attention backends read it.
     kv_cache_dtype: str = "auto"
     kv_cache_scales: str = "token"
+    # fp8 cache: decode attention on the fp8 tensor cores with q (and, "qp", P) quantized to
+    # e4m3 (kernels/triton_fp8_decode.py) | off: K and V converted to float16. Off until a
+    # GPU measures its gain; what its numerics cost is in BENCHMARKS.md
+    fp8_attention: str = "off"
     device: str = "auto"  # auto | cpu | cuda
     enforce_eager: bool = False  # no CUDA graphs
     # CUDA graphs for prefill+decode steps too, over a ladder of token counts up to
@@ -157,6 +161,10 @@ class EngineConfig:
             bad("kv_cache_dtype", "choose auto (the model's dtype) or fp8")
         if self.kv_cache_scales not in ("token", "tensor"):
             bad("kv_cache_scales", "choose token or tensor")
+        if self.fp8_attention not in ("off", "q", "qp"):
+            bad("fp8_attention", "choose off, q or qp")
+        if self.fp8_attention != "off" and self.kv_cache_dtype != "fp8":
+            bad("fp8_attention", "it reads an fp8 KV cache: set kv_cache_dtype='fp8' too")
         if self.device not in ("auto", "cpu", "cuda"):
             bad("device", "choose auto, cpu or cuda")
         if self.attention_backend not in ("auto", "triton", "torch"):
@@ -200,6 +208,7 @@ class ResolvedConfig:
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8"
     kv_cache_scales: str = "token"  # fp8: "token" | "tensor"
+    fp8_attention: str = "off"  # fp8: "off" | "q" | "qp"
     mixed_graphs: bool = False  # prefill+decode steps replay CUDA graphs too
     all_reduce: str = "nccl"  # tensor parallelism on GPUs: "nccl" | "symm_mem"
 
@@ -214,8 +223,9 @@ class ResolvedConfig:
             f"max_num_seqs={self.max_num_seqs} "
             f"max_num_batched_tokens={self.max_num_batched_tokens} "
             f"kv_cache={self.num_kv_blocks}x{self.block_size} tokens "
-            + (f"({self.kv_cache_dtype}, scales per {self.kv_cache_scales}) "
-               if self.kv_cache_dtype != "auto" else "")
+            + (f"({self.kv_cache_dtype}, scales per {self.kv_cache_scales}"
+               + (f", fp8 attention {self.fp8_attention}" if self.fp8_attention != "off"
+                  else "") + ") " if self.kv_cache_dtype != "auto" else "")
             + f"prefix_caching={_on(self.enable_prefix_caching)} "
             f"policy={self.scheduling_policy} admission_batch={self.admission_batch} "
             f"cuda_graphs={_on(self.cuda_graphs)}"

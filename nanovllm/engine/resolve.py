@@ -77,6 +77,7 @@ def resolve_config(
         tensor_parallel_size=_tensor_parallel(config.tensor_parallel_size, device, model),
         kv_cache_dtype=config.kv_cache_dtype,
         kv_cache_scales=config.kv_cache_scales,
+        fp8_attention=_fp8_attention(config, attention, model),
         mixed_graphs=_mixed_graphs(config, graphs, attention),
         all_reduce=_all_reduce(config, device, dtype),
     )
@@ -178,6 +179,22 @@ def _attention(name: str, cuda: bool) -> str:
             "TRITON_INTERPRET=1); use 'auto' or 'torch'"
         )
     return name
+
+
+def _fp8_attention(config: EngineConfig, attention: str, model: ModelConfig) -> str:
+    """The Triton kernel reads 128-position tiles, each from one block of the transposed V
+    cache, and needs a power-of-2 head_dim (kernels/triton_fp8_decode.py)."""
+    mode = config.fp8_attention
+    if mode == "off" or attention != "triton":
+        return mode
+    block = config.block_size or FP8_BLOCK_SIZE
+    if block % FP8_BLOCK_SIZE:
+        raise ConfigError(f"fp8_attention={mode!r} reads tiles of {FP8_BLOCK_SIZE} tokens from "
+                          f"one block: use block_size >= {FP8_BLOCK_SIZE} (or leave it unset)")
+    if model.head_dim & (model.head_dim - 1):
+        raise ConfigError(f"fp8_attention={mode!r} needs a power-of-2 head_dim; this model's "
+                          f"is {model.head_dim}: leave it off")
+    return mode
 
 
 def _mixed_graphs(config: EngineConfig, graphs: bool, attention: str) -> bool:

@@ -38,8 +38,11 @@ class Kernels:
 
 
 @functools.cache  # equal choices share callables (and compiled graphs)
-def select_kernels(ops: str = "torch", attention: str = "torch") -> Kernels:
-    """The kernels for `ops` (one of OPS) and `attention` (one of ATTENTION)."""
+def select_kernels(ops: str = "torch", attention: str = "torch",
+                   fp8_attention: str = "off") -> Kernels:
+    """The kernels for `ops` (one of OPS) and `attention` (one of ATTENTION); with
+    `fp8_attention` ("q" | "qp") the attention's decode over an fp8 cache runs on the fp8
+    tensor cores (kernels/triton_fp8_decode.py; the torch backend: its numerics)."""
     if ops not in OPS or attention not in ATTENTION:
         raise ValueError(f"unknown kernels ops={ops!r} attention={attention!r}")
     if attention == "triton":
@@ -61,5 +64,8 @@ def select_kernels(ops: str = "torch", attention: str = "torch") -> Kernels:
     fused_store = None
     if ops == "triton" and attention == "triton":
         from nanovllm.kernels.triton_kv_store import qk_norm_rope_store as fused_store
-    return Kernels(ops, attention, *fns, attn.store_kv, attn.paged_attention, one_pass,
+    paged_attention = attn.paged_attention
+    if fp8_attention != "off":
+        paged_attention = functools.partial(paged_attention, fp8_attention=fp8_attention)
+    return Kernels(ops, attention, *fns, attn.store_kv, paged_attention, one_pass,
                    fused_store)

@@ -99,8 +99,19 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    fp8_attention: str = "off",
 ) -> torch.Tensor:
-    """Attention of q ([T, Hq, D]) over each row's cached context; returns [T, Hq, D]."""
+    """Attention of q ([T, Hq, D]) over each row's cached context; returns [T, Hq, D].
+    `fp8_attention` ("q" | "qp", over an fp8 cache): decode rows in the numerics of the fp8
+    tensor-core decode (`fp8_decode_reference`)."""
+    if fp8_attention != "off" and k_cache.dtype == torch.uint8:
+        out = paged_attention(q, k_cache, v_cache, meta, scale)
+        decode = fp8_decode_reference(q, k_cache, v_cache, meta, scale,
+                                      fp8_p=fp8_attention == "qp")
+        starts = _host_starts(meta.query_lens_host)
+        rows = [starts[i] for i, n in enumerate(meta.query_lens_host) if n == 1]
+        out[rows] = decode[rows].to(out.device, out.dtype)
+        return out
     if meta.query_lens_host == [1]:  # single-stream decode: no output buffer to fill
         k, v = _context(k_cache, v_cache, meta, 0, q)
         return _decode_one(q[0], k, v, scale)[None]
@@ -197,3 +208,78 @@ def _decode_batched(q, k_cache, v_cache, meta, scale, rows, starts, out) -> None
         enable_gqa=q.shape[1] != k.shape[2],
     )
     out[tok_idx] = o.squeeze(2)
+
+
+# ---------------------------------------------------------------------------------------
+# fp8_attention: the numerics of the fp8 decode on the tensor cores' fp8 path
+
+_LOG2E = 1.4426950408889634
+
+
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x (float32) rounded to e4m3 and back, saturating at +-448."""
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
+
+
+def fp8_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, *, fp8_p: bool = True,
+                        decode_only: bool = True, tile: int = 128) -> torch.Tensor:
+    """The numerics of `fp8_attention` (triton_fp8_decode.decode_fp8) in float32 torch (one
+    split): q rounded to e4m3 with a scale
+    per head; the running maximum kept per tile of `tile` positions as the kernel keeps it;
+    P times each position's V scale over the tile's largest, rounded to e4m3 (fp8_p) or to
+    float16. Rows with one query token; with `decode_only=False` every query token, over its
+    causal context, as if it were a decode row (what benchmarks/kv_accuracy.py estimates
+    the numerics' cost with). Other rows' output is 0."""
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    qsl, dim = meta.query_start_loc.tolist(), q.shape[2]
+    group = q.shape[1] // k_cache.shape[2]
+    bs = k_cache.shape[1]
+    for row, ctx in enumerate(meta.context_lens.tolist()):
+        n = qsl[row + 1] - qsl[row]
+        if n == 0 or ctx == 0 or (decode_only and n != 1):
+            continue
+        positions = torch.arange(ctx)
+        slots = meta.block_tables[row].cpu().long()[positions // bs] * bs + positions % bs
+        k_raw, v_raw = (_rows(c.cpu(), slots) for c in (k_cache, v_cache))
+        out[qsl[row]:qsl[row] + n] = _fp8_row_attention(
+            q[qsl[row]:qsl[row] + n].float().cpu(), k_raw, v_raw, dim, group,
+            scale * _LOG2E, fp8_p, tile)
+    return out
+
+
+def _fp8_row_attention(q, k_raw, v_raw, dim, group, scale_log2, fp8_p, tile):
+    """One row's n query tokens (the last n positions of its context) [n, Hq, D] over the
+    context's cache bytes [ctx, Hkv, width]."""
+    n, ctx = q.shape[0], k_raw.shape[0]
+    k8, v8 = (r[..., :dim].contiguous().view(torch.float8_e4m3fn).float()
+              .repeat_interleave(group, dim=1) for r in (k_raw, v_raw))  # [ctx, Hq, D]
+    if k_raw.shape[-1] > dim:  # each position's float32 scale
+        ks, vs = (r[..., dim:dim + 4].contiguous().view(torch.float32)[..., 0]
+                  .repeat_interleave(group, dim=1) for r in (k_raw, v_raw))  # [ctx, Hq]
+    else:
+        ks = vs = torch.ones(ctx, q.shape[1])
+    q_scale = q.abs().amax(-1).clamp_min(1e-12) / 448.0  # [n, Hq]
+    q8 = _e4m3(q / q_scale[..., None])
+    s = torch.einsum("nhd,chd->hnc", q8, k8) * ks.T[:, None, :]
+    s = s * (q_scale.T * scale_log2)[..., None]
+    allowed = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]  # [n, ctx]
+    s = s.masked_fill(~allowed, float("-inf"))
+    w = vs.T[:, None, :].masked_fill(~allowed, 0.0)  # [Hq, n, ctx]: V scales, 0 past a query
+    tiles = -(-ctx // tile)
+    pad = tiles * tile - ctx
+    s = torch.nn.functional.pad(s, (0, pad), value=float("-inf")).view(*s.shape[:2], tiles, tile)
+    w = torch.nn.functional.pad(w, (0, pad)).view(*s.shape)
+    v = torch.nn.functional.pad(v8, (0, 0, 0, 0, 0, pad)).view(tiles, tile, *v8.shape[1:])
+    m = torch.cummax(s.amax(-1).clamp_min(-1e30), dim=-1).values  # [Hq, n, tiles] running max
+    p = torch.exp2(s - m[..., None])
+    carry = torch.exp2(m - m[..., -1:])  # each tile's factor at the end: the alphas after it
+    l_sum = (carry * p.sum(-1)).sum(-1)  # [Hq, n]
+    if fp8_p:
+        w_max = w.amax(-1).clamp_min(1e-30)  # [Hq, n, tiles]
+        pw = _e4m3(p * w / w_max[..., None]) * w_max[..., None]
+    else:
+        pw = (p * w).half().float()
+    pv = torch.einsum("hnti,tihd->hntd", pw, v)
+    acc = (carry[..., None] * pv).sum(-2)  # [Hq, n, D]
+    return (acc / l_sum.clamp_min(1e-30)[..., None]).permute(1, 0, 2)

@@ -595,14 +595,16 @@ def paged_attention(
     prefill_config: TileConfig | None = None,
     decode_config: TileConfig | None = None,
     longest_first: bool = LONGEST_FIRST,
+    fp8_attention: str = "off",
 ) -> torch.Tensor:
     """Attention of q ([T, Hq, D], any strides) over each row's cached context; [T, Hq, D].
 
     Same contract as `torch_attention.paged_attention`. `num_splits` fixes the decode KV
     splits (default: `choose_num_splits` from the row count and meta.max_context_len);
     the configs override tile sizes; `longest_first` starts the decode programs of the
-    longest contexts first (same results, another order). See the module docstring for what
-    a launch bakes in.
+    longest contexts first (same results, another order). `fp8_attention` ("q" | "qp",
+    over an fp8 cache): decode rows run triton_fp8_decode's kernel, q (and P) in e4m3 on
+    the fp8 tensor cores. See the module docstring for what a launch bakes in.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -614,16 +616,26 @@ def paged_attention(
         return out
     group = num_q_heads // num_kv_heads
     scale_log2 = scale * LOG2E
-    common = dict(qsl=meta.query_start_loc, ctx=meta.context_lens, bt=meta.block_tables,
-                  order=_longest_first(meta) if longest_first else None)
-    if meta.max_query_len == 1:
+
+    def launch_decode() -> None:
+        if fp8_attention != "off":
+            # (imported here: that module builds on this one)
+            from nanovllm.kernels.triton_fp8_decode import decode_fp8
+
+            decode_fp8(q, k_cache, v_cache, meta, scale, fp8_p=fp8_attention == "qp",
+                       num_splits=num_splits, out=out)
+            return
         _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group,
-                       meta.max_context_len, num_splits, decode_config, **common)
+                       meta.max_context_len, num_splits, decode_config,
+                       qsl=meta.query_start_loc, ctx=meta.context_lens, bt=meta.block_tables,
+                       order=_longest_first(meta) if longest_first else None)
+
+    if meta.max_query_len == 1:
+        launch_decode()
         return out
     has_decode_rows = 1 in meta.query_lens_host
     if has_decode_rows:
-        _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group,
-                       meta.max_context_len, num_splits, decode_config, **common)
+        launch_decode()
     flags = _fp8_flags(k_cache, v_cache, head_dim, q)
     cfg = prefill_config or default_prefill_config(head_dim, meta.max_query_len, group,
                                                     q.dtype, fp8=flags["FP8"])

@@ -1,5 +1,5 @@
-"""An experiment, not yet used by the engine: decode attention over an fp8 cache on the
-tensor cores' fp8 path, for the H200 to measure against `triton_attention`'s decode.
+"""Decode attention over an fp8 cache on the tensor cores' fp8 path: the engine's
+`fp8_attention` ("q" or "qp"; off by default until the H200 has measured it).
 
 `triton_attention._decode_kernel` converts every K and V byte to float16 in registers before
 its dots (the GQA group's query heads, padded to 16, are the dots' M): per byte of cache that
@@ -15,24 +15,24 @@ for sm_90 to `wgmma ... m64n16k32 .e4m3.e4m3` (tests/model/test_triton_ptx.py ch
 no conversion of the cache at all. The price is precision, on two sides:
 
 - q is quantized to e4m3 with a scale per (token, head), amax / 448, as the cache stores K;
-- P (`FP8_P`): the probabilities times each position's V scale, divided by the tile's
-  largest V scale so they lie in [0, 1], rounded to e4m3 (3 mantissa bits; below 2^-6 they
-  are subnormal, down to 2^-9). Without `FP8_P`, P and V^T go to the dot as float16 (V
-  converted, as today), and only q is quantized.
+- P (`fp8_p`, mode "qp"): the probabilities times each position's V scale, divided by the
+  tile's largest V scale so they lie in [0, 1], rounded to e4m3 (3 mantissa bits; below
+  2^-6 subnormal, down to 2^-9). Mode "q": P and V^T go to the dot as float16 (V converted,
+  as the engine's decode does), and only q is quantized.
 
-`reference_attention` states those numerics in torch; the tests hold the kernel to it (CPU
-interpreter and CUDA) and both to the fp32 attention within fp8's error. Same launch
-contract as `triton_attention`'s decode: one program per (row, kv head, split), partials
-combined by its `_reduce_kernel`; rows whose query length is not 1 are left alone.
-Supports what the engine's fp8 cache is on a GPU: V transposed within blocks of at least
-the tile, head_dim a power of 2.
+`torch_attention.fp8_decode_reference` states those numerics in torch (the torch backend's
+`fp8_attention`); the tests hold the kernel to it (CPU interpreter and CUDA) and both to
+the fp32 attention within fp8's error. Same launch contract as `triton_attention`'s decode
+(one program per (row, kv head, split), partials combined by its `_reduce_kernel`; rows
+whose query length is not 1 are left alone), without its longest-first order. Supports what
+the engine's fp8 cache is on a GPU: V transposed within blocks of a multiple of 128 tokens,
+head_dim a power of 2.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import torch_attention as ta
 from nanovllm.kernels.attention_metadata import AttentionMetadata
 from nanovllm.kernels.triton_attention import (
     LOG2E,
@@ -143,7 +143,8 @@ def decode_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                num_splits: int | None = None, out: torch.Tensor | None = None,
                num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """Decode attention ([T, Hq, D] -> [T, Hq, D]) of the rows with one query token over an
-    fp8 cache with V transposed, in the numerics of `reference_attention`, into `out` (default:
+    fp8 cache with V transposed, in the numerics of `torch_attention.fp8_decode_reference`,
+    into `out` (default:
     zeros); other rows' output is left as it was."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_rows, num_kv_heads = meta.context_lens.shape[0], k_cache.shape[2]
@@ -174,71 +175,3 @@ def decode_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     )
     reduce_splits(part_o, part_lse, out, meta.query_start_loc, num_rows, num_splits)
     return out
-
-
-def _e4m3(x: torch.Tensor) -> torch.Tensor:
-    """x (float32) rounded to e4m3 and back, saturating at +-448."""
-    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
-
-
-def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float, *, fp8_p: bool = True,
-                        decode_only: bool = True, tile: int = BLOCK_N) -> torch.Tensor:
-    """`decode_fp8`'s numerics in float32 torch (one split): q rounded to e4m3 with a scale
-    per head; the running maximum kept per tile of `tile` positions as the kernel keeps it;
-    P times each position's V scale over the tile's largest, rounded to e4m3 (fp8_p) or to
-    float16. Rows with one query token; with `decode_only=False` every query token, over its
-    causal context, as if it were a decode row (what benchmarks/kv_accuracy.py estimates
-    the numerics' cost with). Other rows' output is 0."""
-    out = torch.zeros(q.shape, dtype=torch.float32)
-    qsl, dim = meta.query_start_loc.tolist(), q.shape[2]
-    group = q.shape[1] // k_cache.shape[2]
-    bs = k_cache.shape[1]
-    for row, ctx in enumerate(meta.context_lens.tolist()):
-        n = qsl[row + 1] - qsl[row]
-        if n == 0 or ctx == 0 or (decode_only and n != 1):
-            continue
-        positions = torch.arange(ctx)
-        slots = meta.block_tables[row].cpu().long()[positions // bs] * bs + positions % bs
-        k_raw, v_raw = (ta._rows(c.cpu(), slots) for c in (k_cache, v_cache))
-        out[qsl[row]:qsl[row] + n] = _row_attention(
-            q[qsl[row]:qsl[row] + n].float().cpu(), k_raw, v_raw, dim, group,
-            scale * LOG2E, fp8_p, tile)
-    return out
-
-
-def _row_attention(q, k_raw, v_raw, dim, group, scale_log2, fp8_p, tile):
-    """One row's n query tokens (the last n positions of its context) [n, Hq, D] over the
-    context's cache bytes [ctx, Hkv, width]."""
-    n, ctx = q.shape[0], k_raw.shape[0]
-    k8, v8 = (r[..., :dim].contiguous().view(torch.float8_e4m3fn).float()
-              .repeat_interleave(group, dim=1) for r in (k_raw, v_raw))  # [ctx, Hq, D]
-    if k_raw.shape[-1] > dim:  # each position's float32 scale
-        ks, vs = (r[..., dim:dim + 4].contiguous().view(torch.float32)[..., 0]
-                  .repeat_interleave(group, dim=1) for r in (k_raw, v_raw))  # [ctx, Hq]
-    else:
-        ks = vs = torch.ones(ctx, q.shape[1])
-    q_scale = q.abs().amax(-1).clamp_min(1e-12) / 448.0  # [n, Hq]
-    q8 = _e4m3(q / q_scale[..., None])
-    s = torch.einsum("nhd,chd->hnc", q8, k8) * ks.T[:, None, :]
-    s = s * (q_scale.T * scale_log2)[..., None]
-    allowed = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]  # [n, ctx]
-    s = s.masked_fill(~allowed, float("-inf"))
-    w = vs.T[:, None, :].masked_fill(~allowed, 0.0)  # [Hq, n, ctx]: V scales, 0 past a query
-    tiles = -(-ctx // tile)
-    pad = tiles * tile - ctx
-    s = torch.nn.functional.pad(s, (0, pad), value=float("-inf")).view(*s.shape[:2], tiles, tile)
-    w = torch.nn.functional.pad(w, (0, pad)).view(*s.shape)
-    v = torch.nn.functional.pad(v8, (0, 0, 0, 0, 0, pad)).view(tiles, tile, *v8.shape[1:])
-    m = torch.cummax(s.amax(-1).clamp_min(-1e30), dim=-1).values  # [Hq, n, tiles] running max
-    p = torch.exp2(s - m[..., None])
-    carry = torch.exp2(m - m[..., -1:])  # each tile's factor at the end: the alphas after it
-    l_sum = (carry * p.sum(-1)).sum(-1)  # [Hq, n]
-    if fp8_p:
-        w_max = w.amax(-1).clamp_min(1e-30)  # [Hq, n, tiles]
-        pw = _e4m3(p * w / w_max[..., None]) * w_max[..., None]
-    else:
-        pw = (p * w).half().float()
-    pv = torch.einsum("hnti,tihd->hntd", pw, v)
-    acc = (carry[..., None] * pv).sum(-2)  # [Hq, n, D]
-    return (acc / l_sum.clamp_min(1e-30)[..., None]).permute(1, 0, 2)

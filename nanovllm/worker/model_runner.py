@@ -89,7 +89,8 @@ class ModelRunner:
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.kernels = select_kernels(config.kernels, config.attention_backend)
+        self.kernels = select_kernels(config.kernels, config.attention_backend,
+                                      config.fp8_attention)
         start = time.perf_counter()
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)

@@ -1,9 +1,9 @@
-"""The experimental fp8 decode kernel (kernels/triton_fp8_decode.py, not used by the engine
-yet) against its numerics stated in torch (`reference_attention`: q in e4m3, P in e4m3 or
-float16), and both against the attention over the cache's values, within what fp8 costs.
-Decode rows across tile edges, an empty padding row and a prefill row it must leave alone,
-with and without KV splits, both fp8 formats. In Triton's CPU interpreter and, marked gpu,
-compiled on CUDA (`triton_device`)."""
+"""The fp8 decode on the fp8 tensor cores (kernels/triton_fp8_decode.py, the engine's
+`fp8_attention`) against its numerics stated in torch (`torch_attention.fp8_decode_reference`:
+q in e4m3, P in e4m3 or float16), and both against the attention over the cache's values,
+within what fp8 costs. Decode rows across tile edges, an empty padding row and a prefill row
+it must leave alone, with and without KV splits, both fp8 formats. In Triton's CPU
+interpreter and, marked gpu, compiled on CUDA (`triton_device`)."""
 
 import pytest
 import torch
@@ -37,7 +37,7 @@ def test_decode_fp8_matches_its_numerics_and_the_attention(triton_device, scaled
     got = fd.decode_fp8(c.q, k8, v8, c.meta, c.scale, fp8_p=fp8_p, num_splits=1, out=out)
     assert got is out
     got = got.cpu()
-    want = fd.reference_attention(c.q.cpu(), k8.cpu(), v8.cpu(), c.meta, c.scale, fp8_p=fp8_p)
+    want = ta.fp8_decode_reference(c.q.cpu(), k8.cpu(), v8.cpu(), c.meta, c.scale, fp8_p=fp8_p)
     decode = torch.tensor([q == 1 and n > 0 for q, n in ROWS])
     rows = torch.repeat_interleave(decode, torch.tensor([q for q, _ in ROWS]))
     # the same numerics: float32 sums in another order, and a rounding of P to e4m3 may
@@ -67,17 +67,17 @@ def test_decode_fp8_splits_combine_to_one_split(triton_device, fp8_p):
     assert err.max() < (0.03 if fp8_p else 1e-3), err
 
 
-def test_reference_attention_of_every_query_token():
+def test_fp8_decode_reference_of_every_query_token():
     # what benchmarks/kv_accuracy.py applies to every attention: the prefill row's tokens,
     # each over its causal context, within fp8's error of the exact attention
     c, k8, v8 = fp8_batch("cpu", True)
-    got = fd.reference_attention(c.q, k8, v8, c.meta, c.scale, decode_only=False)
+    got = ta.fp8_decode_reference(c.q, k8, v8, c.meta, c.scale, decode_only=False)
     kd, vd = (ta.dequantize_fp8(x, 32, torch.float32) for x in (k8, v8))
     exact = reference(c.q, kd, vd, c.meta, c.scale)
     real = exact.flatten(1).norm(dim=1) > 0  # all but the padding row
     err = (got - exact)[real].flatten(1).norm(dim=1) / exact[real].flatten(1).norm(dim=1)
     assert real.sum() == 7 and err.max() < 0.06, err
-    decode_only = fd.reference_attention(c.q, k8, v8, c.meta, c.scale)
+    decode_only = ta.fp8_decode_reference(c.q, k8, v8, c.meta, c.scale)
     assert torch.equal(decode_only[:4], got[:4]) and not decode_only[4:7].any()
 
 

@@ -1,0 +1,61 @@
+"""`fp8_attention` ("q" | "qp") on an fp8 cache: an engine's decode attention in the numerics
+of the fp8 tensor-core decode (kernels/triton_fp8_decode.py; the torch backend states them,
+`torch_attention.fp8_decode_reference`). The Triton engine (on a CPU in Triton's
+interpreter, marked gpu on CUDA) gives the torch engine's tokens and logprobs; the numerics
+move the logprobs a little from the converting decode's, and only on decode steps; settings
+that cannot work say what to change."""
+
+import pytest
+
+from nanovllm import LLM, ConfigError, SamplingParams
+from tests.support import build_tiny_model, make_prompts
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-fp8-attention"), "qwen3")
+
+
+def generate(path, device, mode, backend="torch", **extra):
+    llm = LLM(str(path), device=device, dtype="float32", enforce_eager=True,
+              kv_cache_dtype="fp8", fp8_attention=mode, num_kv_blocks=24, block_size=128,
+              attention_backend=backend, **extra)
+    prompts = make_prompts(seed=5, count=3, shared_prefix=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("mode", ["q", "qp"])
+def test_triton_engine_equals_the_torch_one(tiny_qwen3, triton_device, mode):
+    _, torch_outs = generate(tiny_qwen3, triton_device, mode)
+    llm, triton_outs = generate(tiny_qwen3, triton_device, mode, backend="triton")
+    assert llm.engine.config.fp8_attention == mode
+    assert f"fp8 attention {mode}" in llm.engine.config.summary()
+    for a, b in zip(torch_outs, triton_outs):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert all(abs(la[k] - lb[k]) < 2e-3 for k in la), (la, lb)
+
+
+@pytest.mark.parametrize("mode", ["q", "qp"])
+def test_the_numerics_move_decode_logprobs_a_little(tiny_qwen3, mode):
+    _, off = generate(tiny_qwen3, "cpu", "off")
+    _, on = generate(tiny_qwen3, "cpu", mode)
+    first_diffs, later_diffs = [], []
+    for a, b in zip(off, on):
+        la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
+        # the first token comes from the prefill step, which the setting leaves alone
+        first_diffs += [abs(la[0][k] - lb[0][k]) for k in la[0] if k in lb[0]]
+        later_diffs += [abs(x[k] - y[k]) for x, y in zip(la[1:], lb[1:]) for k in x if k in y]
+    assert max(first_diffs) == 0.0
+    assert 0.0 < max(later_diffs) < 0.2, max(later_diffs)
+
+
+def test_fp8_attention_settings_say_what_to_change(tiny_qwen3, triton_interpreter):
+    with pytest.raises(ConfigError, match="fp8_attention='fp4' is invalid: choose off, q or qp"):
+        LLM(str(tiny_qwen3), device="cpu", kv_cache_dtype="fp8", fp8_attention="fp4")
+    with pytest.raises(ConfigError, match="set kv_cache_dtype='fp8' too"):
+        LLM(str(tiny_qwen3), device="cpu", fp8_attention="qp")
+    with pytest.raises(ConfigError, match="use block_size >= 128"):
+        LLM(str(tiny_qwen3), device="cpu", kv_cache_dtype="fp8", fp8_attention="q",
+            attention_backend="triton", block_size=16)
