@@ -144,8 +144,7 @@ def decode_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """Decode attention ([T, Hq, D] -> [T, Hq, D]) of the rows with one query token over an
     fp8 cache with V transposed, in the numerics of `torch_attention.fp8_decode_reference`,
-    into `out` (default:
-    zeros); other rows' output is left as it was."""
+    into `out` (default: zeros); other rows' output is left as it was."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_rows, num_kv_heads = meta.context_lens.shape[0], k_cache.shape[2]
     flags = _fp8_flags(k_cache, v_cache, head_dim)
