@@ -623,7 +623,8 @@ def paged_attention(
             from nanovllm.kernels.triton_fp8_decode import decode_fp8
 
             decode_fp8(q, k_cache, v_cache, meta, scale, fp8_p=fp8_attention == "qp",
-                       num_splits=num_splits, out=out)
+                       num_splits=num_splits, out=out,
+                       order=_longest_first(meta) if longest_first else None)
             return
         _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group,
                        meta.max_context_len, num_splits, decode_config,

@@ -22,11 +22,11 @@ no conversion of the cache at all. The price is precision, on two sides:
 
 `torch_attention.fp8_decode_reference` states those numerics in torch (the torch backend's
 `fp8_attention`); the tests hold the kernel to it (CPU interpreter and CUDA) and both to
-the fp32 attention within fp8's error. Same launch contract as `triton_attention`'s decode
-(one program per (row, kv head, split), partials combined by its `_reduce_kernel`; rows
-whose query length is not 1 are left alone), without its longest-first order. Supports what
-the engine's fp8 cache is on a GPU: V transposed within blocks of a multiple of 128 tokens,
-head_dim a power of 2.
+the fp32 attention within fp8's error. Same launch contract as `triton_attention`'s decode:
+one program per (row, kv head, split), the longest rows first given their order, partials
+combined by its `_reduce_kernel`, rows whose query length is not 1 left alone. Supports
+what the engine's fp8 cache is on a GPU: V transposed within blocks of a multiple of 128
+tokens, head_dim a power of 2.
 """
 
 import torch
@@ -63,7 +63,7 @@ def _to_e4m3(x, EXACT: tl.constexpr):
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_fp8_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    qsl_ptr, ctx_ptr, bt_ptr, scale_log2, num_splits,
+    qsl_ptr, ctx_ptr, bt_ptr, order_ptr, scale_log2, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -72,8 +72,14 @@ def _decode_fp8_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_OUT: tl.constexpr, SCALED: tl.constexpr, FP8_P: tl.constexpr, EXACT: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
 ):
-    row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if LONGEST_FIRST:  # grid (kv head x split, row slot), as triton_attention's decode
+        kv_head = tl.program_id(0) % (NUM_Q_HEADS // GROUP)
+        split = tl.program_id(0) // (NUM_Q_HEADS // GROUP)
+        row = tl.load(order_ptr + tl.program_id(1))
+    else:
+        row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start, is_decode, ctx, tile_lo, tile_hi = _decode_span(qsl_ptr, ctx_ptr, row, split,
                                                              num_splits, BLOCK_N)
 
@@ -141,10 +147,13 @@ def _decode_fp8_kernel(
 def decode_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, *, fp8_p: bool = True,
                num_splits: int | None = None, out: torch.Tensor | None = None,
-               num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+               order: torch.Tensor | None = None, num_warps: int = 4,
+               num_stages: int = 3) -> torch.Tensor:
     """Decode attention ([T, Hq, D] -> [T, Hq, D]) of the rows with one query token over an
     fp8 cache with V transposed, in the numerics of `torch_attention.fp8_decode_reference`,
-    into `out` (default: zeros); other rows' output is left as it was."""
+    into `out` (default: zeros); other rows' output is left as it was. `order`: the rows,
+    longest context first, whose programs then start first (triton_attention's
+    `longest_first`)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_rows, num_kv_heads = meta.context_lens.shape[0], k_cache.shape[2]
     flags = _fp8_flags(k_cache, v_cache, head_dim)
@@ -162,15 +171,19 @@ def decode_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_splits = choose_num_splits(num_rows, num_kv_heads, meta.max_context_len,
                                        _num_sms(q.device))
     part_o, part_lse = split_partials(out, num_rows, num_splits)
-    _decode_fp8_kernel[(num_rows, num_kv_heads, num_splits)](
+    grid = ((num_rows, num_kv_heads, num_splits) if order is None
+            else (num_kv_heads * num_splits, num_rows))
+    _decode_fp8_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse, meta.query_start_loc, meta.context_lens,
-        meta.block_tables, scale * LOG2E, num_splits,
+        meta.block_tables, meta.context_lens if order is None else order, scale * LOG2E,
+        num_splits,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         meta.block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
         WRITE_OUT=num_splits == 1, SCALED=flags["SCALED"], FP8_P=fp8_p,
-        EXACT=not q.is_cuda, num_warps=num_warps, num_stages=num_stages,
+        EXACT=not q.is_cuda, LONGEST_FIRST=order is not None, num_warps=num_warps,
+        num_stages=num_stages,
     )
     reduce_splits(part_o, part_lse, out, meta.query_start_loc, num_rows, num_splits)
     return out

@@ -119,8 +119,9 @@ def record(kv_cache_dtype: str, scales: str) -> list:
                           v_.view(tokens, HKV, D), torch.zeros(tokens, dtype=torch.int64),
                           rope, rope, *cache, meta.slot_mapping, norm, norm)
     if fmt.dtype == torch.uint8:  # the experimental fp8 decode, P in e4m3 and in float16
-        for fp8_p in (True, False):
-            fd.decode_fp8(q, *cache, meta, D**-0.5, fp8_p=fp8_p, num_splits=1)
+        order = torch.arange(len(rows), dtype=torch.int32)  # and longest rows first
+        for fp8_p, longest in ((True, None), (False, None), (True, order)):
+            fd.decode_fp8(q, *cache, meta, D**-0.5, fp8_p=fp8_p, num_splits=1, order=longest)
     tb.paged_attention(q, *cache, meta, D**-0.5)
     before = len(calls)  # and the decode kernel launched longest row first
     tb.paged_attention(q, *cache, meta, D**-0.5, longest_first=True)

@@ -56,6 +56,15 @@ def test_decode_fp8_matches_its_numerics_and_the_attention(triton_device, scaled
     assert err.max() < (0.06 if fp8_p else 0.03), err
 
 
+def test_decode_fp8_longest_rows_first_is_the_same_attention(triton_device):
+    c, k8, v8 = fp8_batch(triton_device, True)
+    order = torch.argsort(c.meta.context_lens, descending=True).to(torch.int32)
+    for splits in (1, 2):
+        plain = fd.decode_fp8(c.q, k8, v8, c.meta, c.scale, num_splits=splits)
+        longest = fd.decode_fp8(c.q, k8, v8, c.meta, c.scale, num_splits=splits, order=order)
+        assert torch.equal(plain, longest)
+
+
 @pytest.mark.parametrize("fp8_p", [True, False], ids=["p-fp8", "p-fp16"])
 def test_decode_fp8_splits_combine_to_one_split(triton_device, fp8_p):
     # the 300-token row in three splits of one tile each: the same attention, except that
