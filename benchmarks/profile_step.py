@@ -2,7 +2,8 @@
 and any host<->device synchronization inside the step loop.
 
     python -m benchmarks.profile_step [--model DIR] [--steps 20] [--no-overlap]
-                                      [--kv-cache-dtype fp8] [--prefill]
+                                      [--kv-cache-dtype fp8 [--fp8-attention qp]]
+                                      [--prefill]
 
 Runs 256 requests of the offline workload's shape until prefill is over, then profiles
 `--steps` decode steps with torch.profiler and CUDA's sync debug mode. (Its draws are
@@ -30,13 +31,15 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=256, help="rows in the profiled decode")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--prefill", action="store_true", help="profile the prefill steps")
+    ap.add_argument("--fp8-attention", choices=["off", "q", "qp"], default="off")
     args = ap.parse_args()
 
     from nanovllm import LLM, SamplingParams
 
     path = args.model or str(qwen3_random_model())
     llm = LLM(path, max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
-              overlap=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype)
+              overlap=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype,
+              fp8_attention=args.fp8_attention)
     engine = llm.engine
     random.seed(0)
 

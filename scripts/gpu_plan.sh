@@ -93,7 +93,9 @@ case "$stage" in
       timeout 100 python3 -m benchmarks.offline --no-peer --kv-cache-dtype fp8 \
         --fp8-attention $mode --repeat 2 2>&1 | grep -E "^nano-vLLM  |run 2" \
         | sed "s/^/$mode: /" | tee -a "$OUT/fp8attn_offline.log"
-    done ;;
+    done
+    timeout 100 python3 -m benchmarks.profile_step --kv-cache-dtype fp8 --fp8-attention qp \
+      2>&1 | grep -E "unprofiled|GPU kernel time|_decode" | tee "$OUT/fp8attn_profile.log" ;;
   *)
     echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store or fp8attn" >&2
     exit 2 ;;
