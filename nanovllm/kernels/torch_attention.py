@@ -218,19 +218,19 @@ _LOG2E = 1.4426950408889634
 
 def _e4m3(x: torch.Tensor) -> torch.Tensor:
     """x (float32) rounded to e4m3 and back, saturating at +-448."""
-    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
+    return x.clamp(-448.0, 448.0).to(FP8).to(torch.float32)
 
 
 def fp8_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, *, fp8_p: bool = True,
                         decode_only: bool = True, tile: int = 128) -> torch.Tensor:
     """The numerics of `fp8_attention` (triton_fp8_decode.decode_fp8) in float32 torch (one
-    split): q rounded to e4m3 with a scale
-    per head; the running maximum kept per tile of `tile` positions as the kernel keeps it;
-    P times each position's V scale over the tile's largest, rounded to e4m3 (fp8_p) or to
-    float16. Rows with one query token; with `decode_only=False` every query token, over its
-    causal context, as if it were a decode row (what benchmarks/kv_accuracy.py estimates
-    the numerics' cost with). Other rows' output is 0."""
+    split): q rounded to e4m3 with a scale per head; the running maximum kept per tile of
+    `tile` positions as the kernel keeps it; P times each position's V scale over the tile's
+    largest, rounded to e4m3 (fp8_p) or to float16. Rows with one query token; with
+    `decode_only=False` every query token, over its causal context, as if it were a decode
+    row (what benchmarks/kv_accuracy.py estimates the numerics' cost with). Other rows'
+    output is 0."""
     out = torch.zeros(q.shape, dtype=torch.float32)
     qsl, dim = meta.query_start_loc.tolist(), q.shape[2]
     group = q.shape[1] // k_cache.shape[2]
@@ -252,7 +252,7 @@ def _fp8_row_attention(q, k_raw, v_raw, dim, group, scale_log2, fp8_p, tile):
     """One row's n query tokens (the last n positions of its context) [n, Hq, D] over the
     context's cache bytes [ctx, Hkv, width]."""
     n, ctx = q.shape[0], k_raw.shape[0]
-    k8, v8 = (r[..., :dim].contiguous().view(torch.float8_e4m3fn).float()
+    k8, v8 = (r[..., :dim].contiguous().view(FP8).float()
               .repeat_interleave(group, dim=1) for r in (k_raw, v_raw))  # [ctx, Hq, D]
     if k_raw.shape[-1] > dim:  # each position's float32 scale
         ks, vs = (r[..., dim:dim + 4].contiguous().view(torch.float32)[..., 0]
