@@ -6,6 +6,7 @@
                                               # engine stores it, and in rows), fp8 tile sweep
     python -m benchmarks.attention --ragged   # ragged decode against the copy bandwidth
     python -m benchmarks.attention --prefill  # prefill tiles on a seed prefill step, 8 x 512
+                                              # (with --fp8: over the engine's fp8 cache)
     python -m benchmarks.attention --fp8-decode  # the experimental fp8 decode (wgmma e4m3)
                                                  # against the engine's, bf16 for scale
 
@@ -287,17 +288,20 @@ def seed_prefill_rows(tokens: int = 16384, seed: int = 0) -> list[tuple[int, int
     return rows
 
 
-def prefill_sweep(table: Table) -> None:
-    """Prefill tile choices around the default, on a seed prefill step (the engine's bf16
-    cache: blocks of 16) and on 8 x 512, with SDPA on contiguous 8 x 512 for scale."""
+def prefill_sweep(table: Table, kv: str = "bf16") -> None:
+    """Prefill tile choices around the default, on a seed prefill step and on 8 x 512, with
+    SDPA on contiguous 8 x 512 for scale; over the engine's cache for `kv` on a GPU (bf16:
+    blocks of 16; fp8-token: blocks of 128, V transposed)."""
     from nanovllm.kernels import triton_attention as tb
 
     rows = seed_prefill_rows()
-    for case, batch_rows in ((f"prefill seed step {len(rows)} rows bs=16", rows),
-                             ("prefill 8x512 bs=16", [(512, 512)] * 8)):
-        default = tb.default_prefill_config(D, max(q for q, _ in batch_rows), HQ // HKV, DTYPE)
+    bs = 16 if kv == "bf16" else 128
+    for case, batch_rows in ((f"prefill seed step {len(rows)} rows bs={bs} {kv}", rows),
+                             (f"prefill 8x512 bs={bs} {kv}", [(512, 512)] * 8)):
+        default = tb.default_prefill_config(D, max(q for q, _ in batch_rows), HQ // HKV, DTYPE,
+                                            fp8=kv != "bf16")
         print(f"\n-- {case} (default {default})")
-        if not (batch := make_batch(table, case, batch_rows, 16)):
+        if not (batch := make_batch(table, case, batch_rows, bs, kv)):
             continue
         run_triton(table, case, "default", batch)
         for block_m in (64, 128):
@@ -483,6 +487,9 @@ def main() -> int:
     table = Table()
     fp8 = functools.partial(fp8_table, block_sizes=tuple(args.block_sizes), sweeps=not args.quick)
     fp8.__name__ = "fp8_table"
+    if args.prefill and args.fp8:  # the prefill tiles over the engine's fp8 cache
+        fp8 = functools.partial(prefill_sweep, kv="fp8-token")
+        fp8.__name__ = "prefill_sweep"
     parts = ((decode_split_sweep,) if args.splits else (fp8,) if args.fp8
              else (ragged_table,) if args.ragged else (prefill_sweep,) if args.prefill
              else (fp8_decode_table,) if args.fp8_decode

@@ -15,7 +15,8 @@
 #   bash scripts/gpu_plan.sh store    # the K/V store per cache format (benchmarks/kv_store.py),
 #                                     # then the seed workload, fp8 and bf16 caches
 #   bash scripts/gpu_plan.sh fp8attn  # fp8_attention: its GPU tests, its decode kernel against
-#                                     # the engine's, the seed workload with off / q / qp
+#                                     # the engine's, the seed workload with off / q / qp, a
+#                                     # decode step's profile; the fp8 cache's prefill tiles
 # Logs go to $OUT (or ./gpu-out).
 set -u
 stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store or fp8attn"}
@@ -95,7 +96,10 @@ case "$stage" in
         | sed "s/^/$mode: /" | tee -a "$OUT/fp8attn_offline.log"
     done
     timeout 100 python3 -m benchmarks.profile_step --kv-cache-dtype fp8 --fp8-attention qp \
-      2>&1 | grep -E "unprofiled|GPU kernel time|_decode" | tee "$OUT/fp8attn_profile.log" ;;
+      2>&1 | grep -E "unprofiled|GPU kernel time|_decode" | tee "$OUT/fp8attn_profile.log"
+    # and the fp8 cache's prefill tiles, never swept (the bf16 cache's were: a4a7125)
+    timeout 100 python3 -m benchmarks.attention --prefill --fp8 2>&1 \
+      | tee "$OUT/fp8_prefill_tiles.log" | sort -k5 -n | head -12 ;;
   *)
     echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store or fp8attn" >&2
     exit 2 ;;
