@@ -16,15 +16,12 @@ averaged over the continuation's positions. Greedy agreement runs each engine fr
 share of prompts whose whole continuation equals the bf16 cache's, and the mean length of
 the common prefix.
 
-`--fp8-attention` adds the "fp8 token" engine twice more with its attention computed in the
-numerics of `fp8_attention` (kernels/triton_fp8_decode.py; in torch
-`torch_attention.fp8_decode_reference`): q in e4m3, and q and P in e4m3. Applied to every
-query token, the teacher-forced pass's included (the engine applies them to decode rows
-only), so the figures bound what those numerics cost from above.
+`--fp8-attention` adds the fp8 token engine with `fp8_attention` "q" and "qp": attention on
+the fp8 tensor cores, with q (and P) in e4m3 (kernels/triton_fp8_decode.py; on the CPU the
+torch backend computes the same numerics, `torch_attention.fp8_decode_reference`).
 """
 
 import argparse
-import contextlib
 
 import torch
 
@@ -47,11 +44,11 @@ def main() -> None:
     ap.add_argument("--fp8-attention", action="store_true",
                     help="also the fp8 decode kernel's numerics (q, and q and P, in e4m3)")
     args = ap.parse_args()
-    runs = {name: (name, None) for name in ENGINES}  # row -> (engine, attention numerics)
+    engine_opts = dict(ENGINES)
     if args.fp8_attention:
-        runs |= {"fp8 token, q e4m3": ("fp8 token", "q"),
-                 "fp8 token, q+P e4m3": ("fp8 token", "qp")}
-    emulate = _emulated_attention()
+        for mode in ("q", "qp"):
+            engine_opts[f"fp8 token, fp8_attention={mode}"] = dict(ENGINES["fp8 token"],
+                                                                   fp8_attention=mode)
 
     from nanovllm import LLM, SamplingParams
     from nanovllm.worker.kv_cache import kv_bytes_per_token
@@ -60,60 +57,26 @@ def main() -> None:
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     shared = dict(device="cpu", weight_format="dense", max_num_seqs=16, max_model_len=1024,
                   kv_cache_gib=0.25)
-    engines = {name: LLM(**shared, **opts) for name, opts in ENGINES.items()}
+    engines = {name: LLM(**shared, **opts) for name, opts in engine_opts.items()}
     ref = engines[REFERENCE]
     chats = [ref.engine.render_chat([{"role": "user", "content": q}])
              for q in HELD_OUT[: args.prompts]]
-    outs = {}
-    for name, (engine, mode) in runs.items():
-        with emulate(mode):
-            outs[name] = [o.token_ids for o in engines[engine].generate(chats, sp,
-                                                                        use_tqdm=False)]
+    outs = {name: [o.token_ids for o in llm.generate(chats, sp, use_tqdm=False)]
+            for name, llm in engines.items()}
     base = outs[REFERENCE]
     with torch.no_grad():  # the reference's distributions, once
         references = [score(ref, c + b) for c, b in zip(chats, base)]
     figures: dict[str, dict] = {}
-    for name, (engine, mode) in runs.items():
-        llm = engines[engine]
+    for name, llm in engines.items():
         runner = llm.engine.runner
-        with emulate(mode):
-            figures[name] = agreement(chats, base, outs[name], references,
-                                      lambda ids, llm=llm: score(llm, ids))
+        figures[name] = agreement(chats, base, outs[name], references,
+                                  lambda ids, llm=llm: score(llm, ids))
         figures[name]["kv_bytes_per_token"] = kv_bytes_per_token(runner.model_config,
                                                                  runner.kv_format)
     print(f"{len(chats)} held-out chat prompts, {args.max_tokens} greedy tokens each; "
           f"KL({REFERENCE} || engine) per token, nats; default model, bfloat16 on the CPU")
     report(figures, "KV cache", max(map(len, figures)), args,
            ("KV bytes/token", "kv_bytes_per_token", "15,d"))
-
-
-def _emulated_attention():
-    """A context manager factory: `with emulate(mode)` computes the torch backend's
-    attention over an fp8 cache in the fp8 decode kernel's numerics (mode "q": q in e4m3;
-    "qp": q and P), or as usual (None). The torch backend's function is wrapped once, before
-    any engine chooses its kernels (select_kernels caches the choice)."""
-    from nanovllm.kernels import torch_attention as ta
-
-    plain, state = ta.paged_attention, {"mode": None}
-
-    def paged_attention(q, k_cache, v_cache, meta, scale):
-        mode = state["mode"]
-        if mode is None or k_cache.dtype != torch.uint8:
-            return plain(q, k_cache, v_cache, meta, scale)
-        return ta.fp8_decode_reference(q, k_cache, v_cache, meta, scale, fp8_p=mode == "qp",
-                                      decode_only=False).to(q.dtype)
-
-    ta.paged_attention = paged_attention
-
-    @contextlib.contextmanager
-    def emulate(mode):
-        state["mode"] = mode
-        try:
-            yield
-        finally:
-            state["mode"] = None
-
-    return emulate
 
 
 if __name__ == "__main__":

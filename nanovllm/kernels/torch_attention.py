@@ -102,16 +102,12 @@ def paged_attention(
     fp8_attention: str = "off",
 ) -> torch.Tensor:
     """Attention of q ([T, Hq, D]) over each row's cached context; returns [T, Hq, D].
-    `fp8_attention` ("q" | "qp", over an fp8 cache): decode rows in the numerics of the fp8
-    tensor-core decode (`fp8_decode_reference`)."""
+    `fp8_attention` ("q" | "qp", over an fp8 cache): in the numerics of the Triton kernels'
+    fp8 tensor-core path (`fp8_decode_reference`)."""
     if fp8_attention != "off" and k_cache.dtype == torch.uint8:
-        out = paged_attention(q, k_cache, v_cache, meta, scale)
-        decode = fp8_decode_reference(q, k_cache, v_cache, meta, scale,
-                                      fp8_p=fp8_attention == "qp")
-        starts = _host_starts(meta.query_lens_host)
-        rows = [starts[i] for i, n in enumerate(meta.query_lens_host) if n == 1]
-        out[rows] = decode[rows].to(out.device, out.dtype)
-        return out
+        out = fp8_decode_reference(q, k_cache, v_cache, meta, scale,
+                                   fp8_p=fp8_attention == "qp", decode_only=False)
+        return out.to(q.device, q.dtype)
     if meta.query_lens_host == [1]:  # single-stream decode: no output buffer to fill
         k, v = _context(k_cache, v_cache, meta, 0, q)
         return _decode_one(q[0], k, v, scale)[None]
@@ -224,13 +220,14 @@ def _e4m3(x: torch.Tensor) -> torch.Tensor:
 def fp8_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, *, fp8_p: bool = True,
                         decode_only: bool = True, tile: int = 128) -> torch.Tensor:
-    """The numerics of `fp8_attention` (triton_fp8_decode.decode_fp8) in float32 torch (one
-    split): q rounded to e4m3 with a scale per head; the running maximum kept per tile of
-    `tile` positions as the kernel keeps it; P times each position's V scale over the tile's
-    largest, rounded to e4m3 (fp8_p) or to float16. Rows with one query token; with
-    `decode_only=False` every query token, over its causal context, as if it were a decode
-    row (what benchmarks/kv_accuracy.py estimates the numerics' cost with). Other rows'
-    output is 0."""
+    """The numerics of `fp8_attention` (the Triton kernels' fp8 tensor-core path:
+    triton_fp8_decode's decode, triton_attention's prefill) in float32 torch, one split: q
+    rounded to e4m3 with a scale per token and head; the running maximum kept per tile of
+    `tile` positions (the kernels' `FP8_MMA_TILE`) as the kernels keep it; P times each
+    position's V scale over the tile's largest (per query), rounded to e4m3 (fp8_p) or to
+    float16. Rows with one query token; with `decode_only=False` every query token over its
+    causal context, as the prefill kernel computes it (the torch backend's `fp8_attention`,
+    and benchmarks/kv_accuracy.py's). Other rows' output is 0."""
     out = torch.zeros(q.shape, dtype=torch.float32)
     qsl, dim = meta.query_start_loc.tolist(), q.shape[2]
     group = q.shape[1] // k_cache.shape[2]

@@ -45,6 +45,7 @@ online-softmax step (`_load_kv_tile`, `_softmax_step`), and the launch contract 
 all of them; apart, each would restate it.
 """
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -55,7 +56,7 @@ import triton.language as tl
 from nanovllm.kernels.attention_metadata import AttentionMetadata
 
 # the backend's other entry point, and the cache-format flags both files launch with
-from nanovllm.kernels.triton_kv_store import _fp8_flags, store_kv  # noqa: F401
+from nanovllm.kernels.triton_kv_store import FP8_MAX, _fp8_flags, _to_e4m3, store_kv  # noqa: F401
 
 LOG2E = 1.4426950408889634
 # _NO_RESPECIALIZE: Triton compiles a variant per integer argument that is 1 or divisible by
@@ -74,6 +75,9 @@ MAX_SPLITS = 64
 # without, and the seed workload runs 1.05x faster (BENCHMARKS.md)
 LONGEST_FIRST = True
 PREFILL_BLOCK_N, PREFILL_STAGES = 32, 3  # a bf16 cache's prefill tiles (default_prefill_config)
+# fp8_attention's tiles, prefill and decode: its numerics round P against each tile's running
+# maximum, so both kernels and torch_attention.fp8_decode_reference share the tile
+FP8_MMA_TILE = 128
 
 
 @dataclass(frozen=True)
@@ -353,6 +357,38 @@ def _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed, scale_log2,
     return acc, m_new, l_i
 
 
+@triton.jit
+def _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed, row_scale,
+                      MASKED: tl.constexpr, SCALED: tl.constexpr, FP8_P: tl.constexpr,
+                      EXACT: tl.constexpr):
+    # _softmax_step for fp8_attention (torch_attention.fp8_decode_reference states it): q
+    # [M, D], K^T and V in e4m3 on the tensor cores; row_scale [M]: q's scale per row times
+    # scale * log2(e). FP8_P: P times the V scales over each row's largest in the tile, in
+    # e4m3; else P times the V scales in float16, V converted
+    s = tl.dot(q, k) * row_scale[:, None]
+    if SCALED:
+        s = s * k_scale[None, :]
+    if MASKED:
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if SCALED:
+        w = v_scale[None, :] + tl.zeros_like(p)
+    else:
+        w = tl.full(p.shape, 1.0, tl.float32)
+    if MASKED:
+        w = tl.where(allowed, w, 0.0)
+    if FP8_P:
+        w_max = tl.maximum(tl.max(w, 1), 1e-30)
+        pv = tl.dot(_to_e4m3(p * w / w_max[:, None], EXACT), v) * w_max[:, None]
+    else:
+        pv = tl.dot((p * w).to(tl.float16), v.to(tl.float16))
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
 # ---------------------------------------------------------------------------------------
 # decode: one program per (row, kv head, split)
 
@@ -501,8 +537,11 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
-    V_T: tl.constexpr = False,
+    V_T: tl.constexpr = False, FP8_MMA: tl.constexpr = False, FP8_P: tl.constexpr = False,
+    EXACT: tl.constexpr = False,
 ):
+    # FP8_MMA (fp8_attention, over a transposed V cache): q in e4m3, a scale per row, and
+    # the tiles' bytes as they are go to the fp8 tensor cores (_softmax_step_fp8)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Row i owns programs [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1), which holds
@@ -548,7 +587,12 @@ def _prefill_kernel(
     kv_end = prefix + tl.minimum(t0 + BLOCK_Q, q_len)
     # tiles wholly at or before the tile's first query position need no mask at all
     full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, kv_end)
-    if FP8_ASM:  # an fp8 cache is read into float16 (see _load_kv_tile)
+    if FP8_MMA:
+        q = q.to(tl.float32)
+        q_scale = tl.maximum(tl.max(tl.abs(q), 1), 1e-12) / FP8_MAX
+        row_scale = q_scale * scale_log2
+        q = _to_e4m3(q / q_scale[:, None], EXACT)
+    elif FP8_ASM:  # an fp8 cache is read into float16 (see _load_kv_tile)
         q = _to_f16(q)
     elif not FP8:  # or into the query's dtype
         q = q.to(k_cache_ptr.dtype.element_ty)
@@ -559,8 +603,12 @@ def _prefill_kernel(
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, FP8, SCALED, q.dtype,
             q_ptr.dtype.element_ty, FP8_ASM, V_T)
-        acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
-                                      scale_log2, False, SCALED, DOT_PRECISION)
+        if FP8_MMA:
+            acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
+                                              row_scale, False, SCALED, FP8_P, EXACT)
+        else:
+            acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
+                                          scale_log2, False, SCALED, DOT_PRECISION)
     # diagonal tiles: causal mask, and the context end (kv_end <= ctx) for the last one
     for start in range(full_end, kv_end, BLOCK_N):
         pos = start + offs_n
@@ -571,8 +619,12 @@ def _prefill_kernel(
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
             q_ptr.dtype.element_ty, FP8_ASM, V_T)
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed,
-                                      scale_log2, True, SCALED, DOT_PRECISION)
+        if FP8_MMA:
+            acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i,
+                                              allowed, row_scale, True, SCALED, FP8_P, EXACT)
+        else:
+            acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed,
+                                          scale_log2, True, SCALED, DOT_PRECISION)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_off[:, None] * stride_ot + heads[:, None] * stride_oh
@@ -640,6 +692,12 @@ def paged_attention(
     flags = _fp8_flags(k_cache, v_cache, head_dim, q)
     cfg = prefill_config or default_prefill_config(head_dim, meta.max_query_len, group,
                                                     q.dtype, fp8=flags["FP8"])
+    if fp8_attention != "off":  # q (and P) in e4m3, over tiles of FP8_MMA_TILE positions
+        if not (flags["FP8"] and flags["V_T"]) or k_cache.shape[1] % FP8_MMA_TILE:
+            raise ValueError("fp8_attention needs an fp8 cache with V transposed, in blocks "
+                             f"of a multiple of {FP8_MMA_TILE} tokens")
+        cfg = dataclasses.replace(cfg, block_n=FP8_MMA_TILE)
+        flags |= dict(FP8_MMA=True, FP8_P=fp8_attention == "qp", EXACT=not q.is_cuda)
     block_g = _pow2(group)
     if cfg.block_m % block_g or cfg.block_m < 16:
         raise ValueError(f"block_m={cfg.block_m} must be >= 16 and a multiple of {block_g}")

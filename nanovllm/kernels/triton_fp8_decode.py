@@ -35,6 +35,7 @@ import triton.language as tl
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
 from nanovllm.kernels.triton_attention import (
+    FP8_MMA_TILE,
     LOG2E,
     NEG_BIG,
     _decode_out,
@@ -45,19 +46,9 @@ from nanovllm.kernels.triton_attention import (
     reduce_splits,
     split_partials,
 )
-from nanovllm.kernels.triton_kv_store import FP8_MAX, _fp8_flags, _round_e4m3
+from nanovllm.kernels.triton_kv_store import FP8_MAX, _fp8_flags, _to_e4m3
 
-BLOCK_N = 128  # positions a tile: one block's worth of an fp8 cache's 128-token blocks
-
-
-@triton.jit
-def _to_e4m3(x, EXACT: tl.constexpr):
-    # x (float32, |x| <= 448) as float8 e4m3, rounded to nearest even. EXACT: round in
-    # float32 first (the interpreter's own cast drops a mantissa's carry); a GPU's
-    # cvt.rn.satfinite does it in one instruction
-    if EXACT:
-        x = _round_e4m3(x)
-    return x.to(tl.float8e4nv)
+BLOCK_N = FP8_MMA_TILE  # positions a tile, as fp8_attention's prefill (one 128-token block)
 
 
 @triton.jit(do_not_specialize=["num_splits"])

@@ -109,6 +109,16 @@ def _store_fp8(cache, x, mask, head_mask, offs_h, offs_d, stride_h, stride_d,
 
 
 @triton.jit
+def _to_e4m3(x, EXACT: tl.constexpr):
+    # x (float32, |x| <= 448) as float8 e4m3, rounded to nearest even (fp8_attention's q and
+    # P). EXACT: round in float32 first (the interpreter's own cast drops a mantissa's
+    # carry); a GPU's cvt.rn.satfinite does it in one instruction
+    if EXACT:
+        x = _round_e4m3(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
 def _round_e4m3(x):
     # x (float32, |x| <= 448) rounded to the nearest float8 e4m3 value, ties to even, in
     # float32 arithmetic, so the cast after it is exact: the interpreter's own cast loses

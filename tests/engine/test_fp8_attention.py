@@ -1,9 +1,10 @@
-"""`fp8_attention` ("q" | "qp") on an fp8 cache: an engine's decode attention in the numerics
-of the fp8 tensor-core decode (kernels/triton_fp8_decode.py; the torch backend states them,
+"""`fp8_attention` ("q" | "qp") on an fp8 cache: an engine's attention in the numerics of the
+fp8 tensor-core kernels (kernels/triton_fp8_decode.py and triton_attention's prefill; the
+torch backend states them,
 `torch_attention.fp8_decode_reference`). The Triton engine (on a CPU in Triton's
 interpreter, marked gpu on CUDA) gives the torch engine's tokens and logprobs; the numerics
-move the logprobs a little from the converting decode's, and only on decode steps; settings
-that cannot work say what to change."""
+move the logprobs a little from the converting kernels'; settings that cannot work say what
+to change."""
 
 import pytest
 
@@ -34,21 +35,17 @@ def test_triton_engine_equals_the_torch_one(tiny_qwen3, triton_device, mode):
     for a, b in zip(torch_outs, triton_outs):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            assert all(abs(la[k] - lb[k]) < 2e-3 for k in la), (la, lb)
+            # the same numerics; now and then a rounding of P to e4m3 falls the other way
+            assert all(abs(la[k] - lb[k]) < 1e-2 for k in la), (la, lb)
 
 
 @pytest.mark.parametrize("mode", ["q", "qp"])
-def test_the_numerics_move_decode_logprobs_a_little(tiny_qwen3, mode):
+def test_the_numerics_move_logprobs_a_little(tiny_qwen3, mode):
     _, off = generate(tiny_qwen3, "cpu", "off")
     _, on = generate(tiny_qwen3, "cpu", mode)
-    first_diffs, later_diffs = [], []
-    for a, b in zip(off, on):
-        la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
-        # the first token comes from the prefill step, which the setting leaves alone
-        first_diffs += [abs(la[0][k] - lb[0][k]) for k in la[0] if k in lb[0]]
-        later_diffs += [abs(x[k] - y[k]) for x, y in zip(la[1:], lb[1:]) for k in x if k in y]
-    assert max(first_diffs) == 0.0
-    assert 0.0 < max(later_diffs) < 0.2, max(later_diffs)
+    diffs = [abs(x[k] - y[k]) for a, b in zip(off, on)
+             for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs) for k in x if k in y]
+    assert 0.0 < max(diffs) < 0.3, max(diffs)
 
 
 def test_fp8_attention_settings_say_what_to_change(tiny_qwen3, triton_interpreter):

@@ -12,6 +12,7 @@ Prints one JSON object per compiled launch: kernel, case, the PTX's loads by kin
 and its count of shared-memory stores.
 """
 
+import inspect
 import json
 import os
 import re
@@ -49,8 +50,11 @@ def _signature(fn, args, kwargs):
                     for n in fn.do_not_specialize or ()}
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
-        if name not in values:  # a constexpr left at its default
-            continue
+        if name not in values:  # a constexpr left at its default, which the launch fills in
+            default = fn.params[i].default
+            if default is inspect.Parameter.empty:
+                continue
+            values[name] = default
         v = values[name]
         if fn.params[i].is_constexpr:
             sig[name], consts[(i,)] = "constexpr", v
@@ -122,6 +126,8 @@ def record(kv_cache_dtype: str, scales: str) -> list:
         order = torch.arange(len(rows), dtype=torch.int32)  # and longest rows first
         for fp8_p, longest in ((True, None), (False, None), (True, order)):
             fd.decode_fp8(q, *cache, meta, D**-0.5, fp8_p=fp8_p, num_splits=1, order=longest)
+        for mode in ("qp", "q"):  # and its prefill, in the engine's mixed step
+            tb.paged_attention(q, *cache, meta, D**-0.5, fp8_attention=mode)
     tb.paged_attention(q, *cache, meta, D**-0.5)
     before = len(calls)  # and the decode kernel launched longest row first
     tb.paged_attention(q, *cache, meta, D**-0.5, longest_first=True)
@@ -165,7 +171,8 @@ def main() -> None:
     launches += [("sampler", call) for call in record_sampler()]
     for case, (fn, args, kwargs) in launches:
         sig, consts, attrs, options = _signature(fn, args, dict(kwargs))
-        out = {"kernel": fn.__name__, "case": case, "fp8_p": kwargs.get("FP8_P")}
+        out = {"kernel": fn.__name__, "case": case, "fp8_p": kwargs.get("FP8_P"),
+               "fp8_mma": kwargs.get("FP8_MMA", fn.__name__ == "_decode_fp8_kernel")}
         try:
             src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         except TypeError as e:
