@@ -336,6 +336,16 @@ def _to_f16(x):
 
 
 @triton.jit
+def _online_softmax(s, m_i, l_i):
+    # a tile's scores s [M, N] (log2 domain) into the running maximum m_i and sum l_i [M]:
+    # (the new maximum, the factor that rescales what came before, P, the new sum)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed, scale_log2,
                   MASKED: tl.constexpr, SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # scores in the log2 domain: exp2(s * scale * log2e) == exp(s * scale)
@@ -345,10 +355,7 @@ def _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed, scale_log2,
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, alpha, p, l_i = _online_softmax(s, m_i, l_i)
     if SCALED:
         pv = (p * v_scale[None, :]).to(v.dtype)
     else:
@@ -370,10 +377,7 @@ def _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed, row_sca
         s = s * k_scale[None, :]
     if MASKED:
         s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, alpha, p, l_i = _online_softmax(s, m_i, l_i)
     if SCALED:
         w = v_scale[None, :] + tl.zeros_like(p)
     else:
@@ -410,16 +414,7 @@ def _decode_kernel(
 ):
     # num_splits is a runtime int (one compiled kernel serves every split count);
     # WRITE_OUT (num_splits == 1) writes the normalized output directly, skipping the reduce
-    if LONGEST_FIRST:
-        # grid (kv head x split, row slot): the GPU starts programs in that order, so every
-        # program of the longest row first and the shortest rows' last (see _launch_decode)
-        kv_head = tl.program_id(0) % (NUM_Q_HEADS // GROUP)
-        split = tl.program_id(0) // (NUM_Q_HEADS // GROUP)
-        row = tl.load(order_ptr + tl.program_id(1))
-    else:
-        row = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
+    row, kv_head, split = _decode_program(order_ptr, NUM_Q_HEADS // GROUP, LONGEST_FIRST)
     q_start, is_decode, ctx, tile_lo, tile_hi = _decode_span(qsl_ptr, ctx_ptr, row, split,
                                                              num_splits, BLOCK_N)
     offs_g = tl.arange(0, BLOCK_G)
@@ -455,6 +450,20 @@ def _decode_kernel(
     _decode_out(acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, row, split, num_splits,
                 q_start, heads, head_ok, dim_ok, offs_d, stride_ot, stride_oh, stride_od,
                 NUM_Q_HEADS, HEAD_DIM, WRITE_OUT)
+
+
+@triton.jit
+def _decode_program(order_ptr, KV_HEADS: tl.constexpr, LONGEST_FIRST: tl.constexpr):
+    # -> (row, kv head, split) of this decode program. LONGEST_FIRST: the grid is (kv head x
+    # split, row slot), which the GPU starts in that order, so every program of the longest
+    # row first and the shortest rows' last (see _launch_decode); else (row, kv head, split)
+    if LONGEST_FIRST:
+        kv_head = tl.program_id(0) % KV_HEADS
+        split = tl.program_id(0) // KV_HEADS
+        row = tl.load(order_ptr + tl.program_id(1))
+    else:
+        row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    return row, kv_head, split
 
 
 @triton.jit

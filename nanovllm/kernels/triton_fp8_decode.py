@@ -39,6 +39,7 @@ from nanovllm.kernels.triton_attention import (
     LOG2E,
     NEG_BIG,
     _decode_out,
+    _decode_program,
     _decode_span,
     _num_sms,
     _tile_block,
@@ -65,12 +66,7 @@ def _decode_fp8_kernel(
     WRITE_OUT: tl.constexpr, SCALED: tl.constexpr, FP8_P: tl.constexpr, EXACT: tl.constexpr,
     LONGEST_FIRST: tl.constexpr,
 ):
-    if LONGEST_FIRST:  # grid (kv head x split, row slot), as triton_attention's decode
-        kv_head = tl.program_id(0) % (NUM_Q_HEADS // GROUP)
-        split = tl.program_id(0) // (NUM_Q_HEADS // GROUP)
-        row = tl.load(order_ptr + tl.program_id(1))
-    else:
-        row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row, kv_head, split = _decode_program(order_ptr, NUM_Q_HEADS // GROUP, LONGEST_FIRST)
     q_start, is_decode, ctx, tile_lo, tile_hi = _decode_span(qsl_ptr, ctx_ptr, row, split,
                                                              num_splits, BLOCK_N)
 
