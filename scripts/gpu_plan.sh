@@ -14,12 +14,14 @@
 #   bash scripts/gpu_plan.sh dp       # DP=1 vs DP=2, two and four front ends, 2,048 prompts
 #   bash scripts/gpu_plan.sh store    # the K/V store per cache format (benchmarks/kv_store.py),
 #                                     # then the seed workload, fp8 and bf16 caches
+#   bash scripts/gpu_plan.sh mixedlat # latency at Poisson rates below saturation, eager mixed
+#                                     # steps against --mixed-graphs (ITL and TPOT percentiles)
 #   bash scripts/gpu_plan.sh fp8attn  # fp8_attention: its GPU tests, its decode kernel against
 #                                     # the engine's, the seed workload with off / q / qp, a
 #                                     # decode step's profile; the fp8 cache's prefill tiles
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store or fp8attn"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat or fp8attn"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -84,6 +86,19 @@ case "$stage" in
       timeout 100 python3 -m benchmarks.offline --no-peer --kv-cache-dtype "$dtype" 2>&1 \
         | grep "^nano-vLLM  " | tee -a "$OUT/store.log"
     done ;;
+  mixedlat)
+    # every arrival below saturation makes a mixed step (its prompt beside the running
+    # decodes): eager, one launch per op, unless --mixed-graphs replays a captured graph
+    MODEL=$(model)
+    for extra in "" "--mixed-graphs"; do
+      name=mixedlat${extra:+-graphs}
+      echo "== nanovllm serve $extra"
+      timeout 250 python3 -m benchmarks.serve \
+        --launch "--model $MODEL --max-num-seqs 256 --max-model-len 4096 $extra" \
+        --rates 8,32,64 --num-prompts 256 --input-len 512 --output-len 256 --range-ratio 0.5 \
+        --client-procs 4 --out "$OUT/$name.json" 2>&1 \
+        | grep -E "rate|^ +[0-9]|engine steps" | tee "$OUT/$name.log"
+    done ;;
   fp8attn)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/model/test_triton_fp8_decode.py tests/engine/test_fp8_attention.py 2>&1 \
@@ -101,6 +116,6 @@ case "$stage" in
     timeout 100 python3 -m benchmarks.attention --prefill --fp8 2>&1 \
       | tee "$OUT/fp8_prefill_tiles.log" | tail -80 ;;
   *)
-    echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store or fp8attn" >&2
+    echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store, mixedlat or fp8attn" >&2
     exit 2 ;;
 esac
