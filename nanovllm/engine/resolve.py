@@ -48,13 +48,14 @@ def resolve_config(
         raise ConfigError(f"admission_batch={admission} is invalid: use an integer in "
                           f"[1, max_num_seqs={max_num_seqs}]")
     dtype = _dtype(config.dtype, model.dtype, device)
+    block_size = _block_size(config, attention, cuda)
     return ResolvedConfig(
         device=device,
         dtype=dtype,
         max_model_len=config.max_model_len or context,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        block_size=_block_size(config, attention, cuda),
+        block_size=block_size,
         num_kv_blocks=config.num_kv_blocks,
         kv_cache_gib=config.kv_cache_gib,
         gpu_memory_utilization=config.gpu_memory_utilization,
@@ -77,7 +78,7 @@ def resolve_config(
         tensor_parallel_size=_tensor_parallel(config.tensor_parallel_size, device, model),
         kv_cache_dtype=config.kv_cache_dtype,
         kv_cache_scales=config.kv_cache_scales,
-        fp8_attention=_fp8_attention(config, attention, model),
+        fp8_attention=_fp8_attention(config, attention, model, block_size),
         mixed_graphs=_mixed_graphs(config, graphs, attention),
         all_reduce=_all_reduce(config, device, dtype),
     )
@@ -87,8 +88,10 @@ def _block_size(config: EngineConfig, attention: str, cuda: bool) -> int:
     """The Triton kernels read a tile of a transposed fp8 V cache from one block (see
     worker/kv_cache.py), so 16-token blocks mean 16-token tiles: on the H200 the seed workload
     ran at 19,600 tok/s with them, 27,000-27,500 with 64 and 30,200 with 128 (and 128-token
-    tiles); bf16's cache ran at 24,700 with 16 or 128."""
-    fp8_tiles = cuda and attention == "triton" and config.kv_cache_dtype == "fp8"
+    tiles); bf16's cache ran at 24,700 with 16 or 128. fp8_attention's kernels need 128-token
+    tiles on any device (Triton's interpreter on a CPU included)."""
+    fp8_tiles = (attention == "triton" and config.kv_cache_dtype == "fp8"
+                 and (cuda or config.fp8_attention != "off"))
     if config.block_size is None:
         return FP8_BLOCK_SIZE if fp8_tiles else BLOCK_SIZE
     if fp8_tiles and config.block_size < FP8_BLOCK_SIZE:
@@ -181,13 +184,13 @@ def _attention(name: str, cuda: bool) -> str:
     return name
 
 
-def _fp8_attention(config: EngineConfig, attention: str, model: ModelConfig) -> str:
-    """The Triton kernel reads 128-position tiles, each from one block of the transposed V
-    cache, and needs a power-of-2 head_dim (kernels/triton_fp8_decode.py)."""
+def _fp8_attention(config: EngineConfig, attention: str, model: ModelConfig,
+                   block: int) -> str:
+    """The Triton kernels read 128-position tiles, each from one block of the transposed V
+    cache, and need a power-of-2 head_dim (kernels/triton_fp8_decode.py)."""
     mode = config.fp8_attention
     if mode == "off" or attention != "triton":
         return mode
-    block = config.block_size or FP8_BLOCK_SIZE
     if block % FP8_BLOCK_SIZE:
         raise ConfigError(f"fp8_attention={mode!r} reads tiles of {FP8_BLOCK_SIZE} tokens from "
                           f"one block: use block_size >= {FP8_BLOCK_SIZE} (or leave it unset)")

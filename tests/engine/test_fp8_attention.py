@@ -48,6 +48,17 @@ def test_the_numerics_move_logprobs_a_little(tiny_qwen3, mode):
     assert 0.0 < max(diffs) < 0.3, max(diffs)
 
 
+def test_the_triton_engine_gets_the_blocks_it_needs(tiny_qwen3, triton_interpreter):
+    # no block_size given: 128-token blocks, on a CPU too (Triton's interpreter)
+    llm = LLM(str(tiny_qwen3), device="cpu", dtype="float32", enforce_eager=True,
+              kv_cache_dtype="fp8", fp8_attention="q", num_kv_blocks=24,
+              attention_backend="triton")
+    assert llm.engine.config.block_size == 128
+    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].token_ids) == 2
+
+
 def test_fp8_attention_settings_say_what_to_change(tiny_qwen3, triton_interpreter):
     with pytest.raises(ConfigError, match="fp8_attention='fp4' is invalid: choose off, q or qp"):
         LLM(str(tiny_qwen3), device="cpu", kv_cache_dtype="fp8", fp8_attention="fp4")
