@@ -41,10 +41,17 @@ def quantize_fp8(x: torch.Tensor, width: int) -> torch.Tensor:
 
 def dequantize_fp8(raw: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """The cache's bytes [..., width] -> values [..., dim] in `dtype`."""
-    x = raw[..., :dim].view(FP8).float()
-    if raw.shape[-1] > dim:
-        x = x * raw[..., dim:dim + 4].contiguous().view(torch.float32)
-    return x.to(dtype)
+    values, scales = _fp8_parts(raw, dim)
+    return (values if scales is None else values * scales[..., None]).to(dtype)
+
+
+def _fp8_parts(raw: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The cache's bytes [..., width] -> (the e4m3 values [..., dim] as float32, each row's
+    float32 scale [...], or None for a cache without scales)."""
+    values = raw[..., :dim].view(FP8).float()
+    if raw.shape[-1] == dim:
+        return values, None
+    return values, raw[..., dim:dim + 4].contiguous().view(torch.float32)[..., 0]
 
 
 def _read(raw: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -229,33 +236,29 @@ def fp8_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     causal context, as the prefill kernel computes it (the torch backend's `fp8_attention`,
     and benchmarks/kv_accuracy.py's). Other rows' output is 0."""
     out = torch.zeros(q.shape, dtype=torch.float32)
-    qsl, dim = meta.query_start_loc.tolist(), q.shape[2]
+    starts = _host_starts(meta.query_lens_host)
     group = q.shape[1] // k_cache.shape[2]
-    bs = k_cache.shape[1]
-    for row, ctx in enumerate(meta.context_lens.tolist()):
-        n = qsl[row + 1] - qsl[row]
+    for row, (n, ctx) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
         if n == 0 or ctx == 0 or (decode_only and n != 1):
             continue
-        positions = torch.arange(ctx)
-        slots = meta.block_tables[row].cpu().long()[positions // bs] * bs + positions % bs
-        k_raw, v_raw = (_rows(c.cpu(), slots) for c in (k_cache, v_cache))
-        out[qsl[row]:qsl[row] + n] = _fp8_row_attention(
-            q[qsl[row]:qsl[row] + n].float().cpu(), k_raw, v_raw, dim, group,
+        slots = _context_slots(meta, row, k_cache.shape[1])
+        k_raw, v_raw = (_rows(c, slots).cpu() for c in (k_cache, v_cache))
+        out[starts[row]:starts[row] + n] = _fp8_row_attention(
+            q[starts[row]:starts[row] + n].float().cpu(), k_raw, v_raw, group,
             scale * _LOG2E, fp8_p, tile)
     return out
 
 
-def _fp8_row_attention(q, k_raw, v_raw, dim, group, scale_log2, fp8_p, tile):
+def _fp8_row_attention(q, k_raw, v_raw, group, scale_log2, fp8_p, tile):
     """One row's n query tokens (the last n positions of its context) [n, Hq, D] over the
     context's cache bytes [ctx, Hkv, width]."""
     n, ctx = q.shape[0], k_raw.shape[0]
-    k8, v8 = (r[..., :dim].contiguous().view(FP8).float()
-              .repeat_interleave(group, dim=1) for r in (k_raw, v_raw))  # [ctx, Hq, D]
-    if k_raw.shape[-1] > dim:  # each position's float32 scale
-        ks, vs = (r[..., dim:dim + 4].contiguous().view(torch.float32)[..., 0]
-                  .repeat_interleave(group, dim=1) for r in (k_raw, v_raw))  # [ctx, Hq]
-    else:
+    (k8, ks), (v8, vs) = (_fp8_parts(r, q.shape[-1]) for r in (k_raw, v_raw))
+    k8, v8 = (x.repeat_interleave(group, dim=1) for x in (k8, v8))  # [ctx, Hq, D]
+    if ks is None:  # one static scale of 1
         ks = vs = torch.ones(ctx, q.shape[1])
+    else:  # each position's float32 scale
+        ks, vs = (x.repeat_interleave(group, dim=1) for x in (ks, vs))  # [ctx, Hq]
     q_scale = q.abs().amax(-1).clamp_min(1e-12) / 448.0  # [n, Hq]
     q8 = _e4m3(q / q_scale[..., None])
     s = torch.einsum("nhd,chd->hnc", q8, k8) * ks.T[:, None, :]
