@@ -56,7 +56,12 @@ import triton.language as tl
 from nanovllm.kernels.attention_metadata import AttentionMetadata
 
 # the backend's other entry point, and the cache-format flags both files launch with
-from nanovllm.kernels.triton_kv_store import FP8_MAX, _fp8_flags, _to_e4m3, store_kv  # noqa: F401
+from nanovllm.kernels.triton_kv_store import (  # noqa: F401
+    _fp8_flags,
+    _rows_to_e4m3,
+    _to_e4m3,
+    store_kv,
+)
 
 LOG2E = 1.4426950408889634
 # _NO_RESPECIALIZE: Triton compiles a variant per integer argument that is 1 or divisible by
@@ -597,10 +602,8 @@ def _prefill_kernel(
     # tiles wholly at or before the tile's first query position need no mask at all
     full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, kv_end)
     if FP8_MMA:
-        q = q.to(tl.float32)
-        q_scale = tl.maximum(tl.max(tl.abs(q), 1), 1e-12) / FP8_MAX
+        q, q_scale = _rows_to_e4m3(q, EXACT)
         row_scale = q_scale * scale_log2
-        q = _to_e4m3(q / q_scale[:, None], EXACT)
     elif FP8_ASM:  # an fp8 cache is read into float16 (see _load_kv_tile)
         q = _to_f16(q)
     elif not FP8:  # or into the query's dtype

@@ -47,7 +47,7 @@ from nanovllm.kernels.triton_attention import (
     reduce_splits,
     split_partials,
 )
-from nanovllm.kernels.triton_kv_store import FP8_MAX, _fp8_flags, _to_e4m3
+from nanovllm.kernels.triton_kv_store import _fp8_flags, _rows_to_e4m3, _to_e4m3
 
 BLOCK_N = FP8_MMA_TILE  # positions a tile, as fp8_attention's prefill (one 128-token block)
 
@@ -76,10 +76,9 @@ def _decode_fp8_kernel(
     heads = kv_head * GROUP + offs_g
     head_ok = offs_g < tl.where(is_decode, GROUP, 0)
     q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-                + offs_d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0).to(tl.float32)
+                + offs_d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)
     # q to e4m3, a scale per head (as the cache stores K), transposed: the dot's B [D, G]
-    q_scale = tl.maximum(tl.max(tl.abs(q), 1), 1e-12) / FP8_MAX
-    q8 = _to_e4m3(q / q_scale[:, None], EXACT)
+    q8, q_scale = _rows_to_e4m3(q, EXACT)
     qt = tl.trans(q8)
     col_scale = q_scale * scale_log2  # [G]: the score's factor from q's side
 

@@ -119,6 +119,15 @@ def _to_e4m3(x, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _rows_to_e4m3(x, EXACT: tl.constexpr):
+    # rows of x [R, D] -> (e4m3 [R, D], each row's float32 scale amax / 448 [R]): fp8_attention's
+    # q, a scale per token and head as the cache's K has
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / FP8_MAX
+    return _to_e4m3(x / scale[:, None], EXACT), scale
+
+
+@triton.jit
 def _round_e4m3(x):
     # x (float32, |x| <= 448) rounded to the nearest float8 e4m3 value, ties to even, in
     # float32 arithmetic, so the cast after it is exact: the interpreter's own cast loses
