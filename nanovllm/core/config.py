@@ -57,9 +57,9 @@ class EngineConfig:
     # 448) | tensor (one static scale of 1). Both attention backends read it.
     kv_cache_dtype: str = "auto"
     kv_cache_scales: str = "token"
-    # fp8 cache: decode attention on the fp8 tensor cores with q (and, "qp", P) quantized to
-    # e4m3 (kernels/triton_fp8_decode.py) | off: K and V converted to float16. Off until a
-    # GPU measures its gain; what its numerics cost is in BENCHMARKS.md
+    # fp8 cache: attention (prefill and decode) on the fp8 tensor cores with q (and, "qp", P)
+    # quantized to e4m3 (kernels/triton_fp8_decode.py) | off: K and V converted to float16.
+    # Off until a GPU measures its gain; what its numerics cost is in BENCHMARKS.md
     fp8_attention: str = "off"
     device: str = "auto"  # auto | cpu | cuda
     enforce_eager: bool = False  # no CUDA graphs

@@ -41,8 +41,8 @@ class Kernels:
 def select_kernels(ops: str = "torch", attention: str = "torch",
                    fp8_attention: str = "off") -> Kernels:
     """The kernels for `ops` (one of OPS) and `attention` (one of ATTENTION); with
-    `fp8_attention` ("q" | "qp") the attention's decode over an fp8 cache runs on the fp8
-    tensor cores (kernels/triton_fp8_decode.py; the torch backend: its numerics)."""
+    `fp8_attention` ("q" | "qp") the attention over an fp8 cache runs on the fp8 tensor
+    cores (kernels/triton_fp8_decode.py; the torch backend: its numerics)."""
     if ops not in OPS or attention not in ATTENTION:
         raise ValueError(f"unknown kernels ops={ops!r} attention={attention!r}")
     if attention == "triton":

@@ -40,8 +40,13 @@ trip through shared memory, as bytes, converted to float16 in registers
 (`_load_block_tile`); a row-major V (blocks of under 16 tokens) takes
 `_load_kv_tile`'s PTX conversion.
 
-Why one file of ~700 lines: the decode and prefill kernels share the tile loaders and the
-online-softmax step (`_load_kv_tile`, `_softmax_step`), and the launch contract above binds
+`fp8_attention` (q, and P, in e4m3 on the fp8 tensor cores): prefill rows take the prefill
+kernel's `FP8_MMA` path (`_softmax_step_fp8`), decode rows triton_fp8_decode.py's kernel,
+which builds on this module's decode pieces (`_decode_program`, `_decode_span`,
+`_decode_out`, `split_partials`, `reduce_splits`).
+
+Why one file of ~800 lines: the decode and prefill kernels share the tile loaders and the
+online-softmax step (`_load_kv_tile`, `_online_softmax`), and the launch contract above binds
 all of them; apart, each would restate it.
 """
 

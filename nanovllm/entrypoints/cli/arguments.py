@@ -70,7 +70,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     opt("kv_cache_scales", choices=["token", "tensor"],
         help="fp8 cache: a scale per token and head (token) or one static scale of 1 (tensor)")
     opt("fp8_attention", choices=["off", "q", "qp"],
-        help="fp8 cache: decode attention on the fp8 tensor cores, with q (and, qp, the "
+        help="fp8 cache: attention on the fp8 tensor cores, with q (and, qp, the "
         "probabilities) quantized to e4m3; off: K and V converted to float16 (default)")
     opt("max_model_len", type=int, metavar="N",
         help="longest sequence, prompt and output together (default: the model's context, "
