@@ -15,6 +15,7 @@ from tests.server.harness import (
     async_client,
     error_of,
     metric,
+    scrape,
     start_server,
     stop_server,
     wait_idle,
@@ -138,14 +139,18 @@ def test_priority_orders_waiting_and_preempts(strict_server, model):
 
     async def run() -> None:
         async with async_client(strict_server, API_KEY) as aclient:
-            tasks = [asyncio.create_task(stream(aclient, f"long{i}", 5, 60)) for i in range(2)]
+            # long enough that neither can finish before "high" has come and gone, on a slow CPU
+            tasks = [asyncio.create_task(stream(aclient, f"long{i}", 5, 200)) for i in range(2)]
             while len(first_token) < 2:
                 await asyncio.sleep(0.01)
             await asyncio.wait_for(
                 asyncio.gather(*(first_token[f"long{i}"].wait() for i in range(2))), 120
             )
             tasks.append(asyncio.create_task(stream(aclient, "low", 9, 8)))
-            await asyncio.sleep(0.5)  # "low" is queued before "high" arrives
+            deadline = time.monotonic() + 60
+            while metric(scrape(strict_server), "nanovllm:num_requests_waiting") < 1:
+                assert time.monotonic() < deadline, '"low" never reached the waiting queue'
+                await asyncio.sleep(0.05)  # "low" is queued before "high" arrives
             tasks.append(asyncio.create_task(stream(aclient, "high", 0, 8)))
             await asyncio.wait_for(asyncio.gather(*tasks), 300)
 
