@@ -149,7 +149,6 @@ class EngineLoop:
     def run(self) -> None:
         engine, outboxes, conns = self.engine, self.outboxes, self.conns
         index = {c: i for i, c in enumerate(conns)}
-        times = self.times.totals
         while self.running:
             start = time.perf_counter()
             busy = engine.has_unfinished_requests()
@@ -158,16 +157,20 @@ class EngineLoop:
             timeout = 0.0 if busy else self._idle_timeout()
             if any(o.pending for o in outboxes):
                 timeout = min(timeout, 0.002)
+            # the time so far is counted before each message, so a StatsReply includes it
+            phase = "receive" if busy else "idle"
             if len(conns) == 1:
                 while conns[0].poll(timeout):
+                    start = self._count(phase, start)
                     self._handle(conns[0].recv(), 0)
                     timeout = 0.0
             else:
                 while ready := wait(conns, timeout):
+                    start = self._count(phase, start)
                     for c in ready:
                         self._handle(c.recv(), index[c])
                     timeout = 0.0
-            times["receive" if busy else "idle"] += time.perf_counter() - start
+            self._count(phase, start)
             self._expire()
             outs = engine.step() if engine.has_unfinished_requests() else None
             with self.times("send"):
@@ -179,6 +182,12 @@ class EngineLoop:
             self._maybe_log()
         for outbox in outboxes:
             outbox.flush(timeout=1.0)
+
+    def _count(self, phase: str, start: float) -> float:
+        """Add the time since `start` to `phase`; returns now."""
+        now = time.perf_counter()
+        self.times.totals[phase] += now - start
+        return now
 
     def _idle_timeout(self) -> float:
         now = time.monotonic()
