@@ -110,9 +110,13 @@ class PreemptionCost:
     flops_per_token: float  # 2 x parameters
     attention_flops: float  # x n^2 for an n-token causal prefill
     flops_per_s: float  # the device's rate on the model's matmuls
+    # the copy out runs behind the step's forward pass (HostKVPool.overlap_out): only the
+    # copy back in is waited for
+    out_hidden: bool = False
 
     def swap_seconds(self, num_blocks: int) -> float:
-        return 2 * num_blocks * self.block_bytes / self.copy_bytes_per_s
+        ways = 1 if self.out_hidden else 2
+        return ways * num_blocks * self.block_bytes / self.copy_bytes_per_s
 
     def recompute_seconds(self, num_tokens: int) -> float:
         n = num_tokens

@@ -152,7 +152,17 @@ def plan_num_host_blocks(config: ResolvedConfig, model: ModelConfig, fmt: KVForm
 
 class HostKVPool:
     """Host slots for KV blocks: [slots, 2 (K, V), layers, block_size, kv_heads, head_dim],
-    so each block is one contiguous copy each way."""
+    so each block is one contiguous copy each way.
+
+    On a GPU a step's copies run on a side stream, and the step's forward pass waits only
+    for what it needs: the blocks copied out gathered into a device buffer of their own
+    (fast, device memory) and the blocks copied in landed. The gathered blocks then cross
+    to the host while the forward pass runs, so a swap-out or an offload costs the step a
+    device-side gather, not a trip over PCIe (`overlap_out`; False waits for the host
+    copies too, as before). A later copy that reads those host slots queues behind them on
+    the same stream."""
+
+    overlap_out = True  # class-wide: benchmarks/kv_tiers.py compares both in one run
 
     def __init__(self, cache: KVCache, num_slots: int) -> None:
         t = cache.tensor
@@ -170,34 +180,48 @@ class HostKVPool:
     def copy(self, out: list[tuple[int, int]], in_: list[tuple[int, int]]) -> None:
         """Run one step's copies: every (device block -> host slot) first, then every
         (host slot -> device block). On a GPU they run on a side stream that starts after
-        the work already queued (the steps that wrote those blocks) and that the step's
-        forward pass waits for; the host copies are asynchronous (pinned memory)."""
+        the work already queued (the steps that wrote those blocks); the step's forward
+        pass waits for the gather of `out` and for `in_` (see the class); the host copies
+        are asynchronous (pinned memory)."""
         if not out and not in_:
             return
         if self.stream is None:
-            self._copy(out, in_)
+            self._to_host(self._gather(out), out)
+            self._from_host(in_)
             return
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
-            self._copy(out, in_)
+            staged = self._gather(out)  # before `in_` may overwrite one of those blocks
+            self._from_host(in_)
+            if self.overlap_out:
+                main.wait_stream(self.stream)
+                self._to_host(staged, out)  # the forward pass does not wait for this
+                return
+            self._to_host(staged, out)
         main.wait_stream(self.stream)
 
-    def _copy(self, out: list[tuple[int, int]], in_: list[tuple[int, int]]) -> None:
+    def _gather(self, out: list[tuple[int, int]]) -> torch.Tensor | None:
+        """The blocks of `out` as [n, 2, layers, ...], a buffer of their own on the device."""
+        if not out:
+            return None
+        blocks = torch.tensor([b for b, _ in out], device=self.device)
+        return self.cache.tensor.index_select(2, blocks).movedim(2, 0).contiguous()
+
+    def _to_host(self, staged: torch.Tensor | None, out: list[tuple[int, int]]) -> None:
+        for i, (_, slot) in enumerate(out):  # one contiguous copy per slot
+            self.tensor[slot].copy_(staged[i], non_blocking=True)
+
+    def _from_host(self, in_: list[tuple[int, int]]) -> None:
+        if not in_:
+            return
         cache = self.cache.tensor  # [2, layers, blocks, ...]
-        if out:
-            blocks = torch.tensor([b for b, _ in out], device=self.device)
-            # [n, 2, layers, ...] on the device, then one contiguous copy per slot
-            staged = cache.index_select(2, blocks).movedim(2, 0).contiguous()
-            for i, (_, slot) in enumerate(out):
-                self.tensor[slot].copy_(staged[i], non_blocking=True)
-        if in_:
-            staged = torch.empty((len(in_), *self.tensor.shape[1:]), dtype=cache.dtype,
-                                 device=self.device)
-            for i, (slot, _) in enumerate(in_):
-                staged[i].copy_(self.tensor[slot], non_blocking=True)
-            blocks = torch.tensor([b for _, b in in_], device=self.device)
-            cache.index_copy_(2, blocks, staged.movedim(0, 2))
+        staged = torch.empty((len(in_), *self.tensor.shape[1:]), dtype=cache.dtype,
+                             device=self.device)
+        for i, (slot, _) in enumerate(in_):
+            staged[i].copy_(self.tensor[slot], non_blocking=True)
+        blocks = torch.tensor([b for _, b in in_], device=self.device)
+        cache.index_copy_(2, blocks, staged.movedim(0, 2))
 
 
 def measure_preemption_cost(cache: KVCache, model: ModelConfig, max_tokens: int,
@@ -240,4 +264,5 @@ def measure_preemption_cost(cache: KVCache, model: ModelConfig, max_tokens: int,
         # QK^T and PV over a causal n x n triangle: 2 x 2 x n^2 / 2 x width, per layer
         attention_flops=2.0 * model.num_hidden_layers * q_width,
         flops_per_s=2.0 * rows * model.hidden_size * model.intermediate_size / mm_s,
+        out_hidden=cuda and HostKVPool.overlap_out,
     )

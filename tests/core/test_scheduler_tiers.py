@@ -1,6 +1,8 @@
 """The scheduler's side of the KV tiers, with a fake model: which victims swap and which
 recompute (mode and cost), what each step reports as preempted, and admission headroom."""
 
+from dataclasses import replace
+
 import pytest
 
 from nanovllm.core.host_tier import PreemptionCost
@@ -21,6 +23,8 @@ def test_cost_model_arithmetic():
     c = PreemptionCost(block_bytes=10, copy_bytes_per_s=5.0, flops_per_token=2.0,
                        attention_flops=0.5, flops_per_s=4.0)
     assert c.swap_seconds(3) == 2 * 3 * 10 / 5.0
+    # the copy out hidden behind the forward pass: only the copy back is paid
+    assert replace(c, out_hidden=True).swap_seconds(3) == 3 * 10 / 5.0
     assert c.recompute_seconds(4) == (2.0 * 4 + 0.5 * 16) / 4.0
 
 

@@ -1,0 +1,55 @@
+"""HostKVPool.copy: the bytes of a step's copies between the KV cache and host slots, in the
+order the BlockManager relies on, with the host transfers of copied-out blocks left to run
+behind the forward pass on a GPU (`overlap_out`)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nanovllm.worker.kv_cache import HostKVPool
+
+# [2 (K, V), layers, blocks, block_size, kv_heads, head_dim]: 2 MiB a block on purpose, so
+# that on a GPU a host copy takes long enough for a missing wait to show
+SHAPE = (2, 4, 6, 64, 8, 128)
+
+
+def make_pool(device: str, overlap: bool, monkeypatch) -> tuple[torch.Tensor, HostKVPool]:
+    monkeypatch.setattr(HostKVPool, "overlap_out", overlap)
+    cache = torch.randn(SHAPE, device=device)
+    return cache, HostKVPool(SimpleNamespace(tensor=cache), num_slots=4)
+
+
+def block(cache: torch.Tensor, b: int) -> torch.Tensor:
+    return cache[:, :, b].clone()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_step_copies_out_before_in_and_the_forward_pass_may_overwrite(
+        device, overlap, monkeypatch):
+    cache, pool = make_pool(device, overlap, monkeypatch)
+    pool.tensor[2].copy_(torch.randn(pool.tensor.shape[1:]))  # a block swapped out earlier
+    before = {b: block(cache, b) for b in range(3)}
+    slot2 = pool.tensor[2].clone()
+    # block 0 goes out to slot 0 and, in the same step, slot 2 comes back into block 0;
+    # block 1 goes out to slot 1 and the step's forward pass then writes over it
+    pool.copy([(0, 0), (1, 1)], [(2, 0)])
+    cache[:, :, 1].fill_(-1.0)  # on the current stream, right after, as a forward pass would
+    # a later step brings slot 0 back into block 2: it reads what the first step wrote there
+    pool.copy([], [(0, 2)])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    torch.testing.assert_close(pool.tensor[0], before[0].cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(pool.tensor[1], before[1].cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(block(cache, 0).cpu(), slot2, rtol=0, atol=0)
+    torch.testing.assert_close(block(cache, 2), before[0], rtol=0, atol=0)
+
+
+def test_the_forward_pass_sees_blocks_copied_in(device, monkeypatch):
+    """A kernel on the current stream right after `copy` reads the block as copied in."""
+    cache, pool = make_pool(device, True, monkeypatch)
+    pool.tensor[3].copy_(torch.randn(pool.tensor.shape[1:]))
+    pool.copy([(4, 0)], [(3, 5)])
+    got = cache[:, :, 5].sum(dim=(2, 3, 4)).cpu()  # queued at once, no synchronize first
+    want = pool.tensor[3].sum(dim=(2, 3, 4))
+    torch.testing.assert_close(got, want)
