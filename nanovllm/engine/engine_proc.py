@@ -23,6 +23,10 @@ pipe to each, waits on all of them, and answers each request on the pipe it came
 Outbox per pipe). A pipe that closes stops the engine: a front end is gone, the server is
 stopping or broken.
 
+After its steps the engine tells every front end its Load (waiting and running requests,
+free KV blocks), at most every LOAD_INTERVAL seconds and once more when it goes idle: with
+data-parallel replicas the front ends place each request by it (replicas.py).
+
 The messages both ways are the dataclasses of messages.py.
 """
 
@@ -48,6 +52,7 @@ from nanovllm.engine.messages import (
     EngineStats,
     Fatal,
     FrontEndMessage,
+    Load,
     Ready,
     Rejected,
     RejectReason,
@@ -60,6 +65,10 @@ from nanovllm.engine.outputs import RequestOutput
 from nanovllm.engine.step_times import StepTimes
 
 log = logging.getLogger("nanovllm.engine")
+
+# seconds between the Load reports a working engine sends every front end (placement across
+# data-parallel replicas reads them): ~100 a second, a few dozen bytes each
+LOAD_INTERVAL = 0.01
 
 
 def start_engine(
@@ -143,6 +152,9 @@ class EngineLoop:
         self.prompt_tokens = 0  # of accepted requests
         self._finish_times: deque[float] = deque()  # completions ended, for retry_after
         self.times = StepTimes(("idle", "receive", "send"))  # between steps (EngineStats)
+        self.adds_seen = [0] * len(conns)  # AddRequests taken, per front end (Load)
+        self._load_due = False  # the queues changed since the last Load
+        self._last_load = 0.0
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -172,10 +184,15 @@ class EngineLoop:
                     timeout = 0.0
             self._count(phase, start)
             self._expire()
-            outs = engine.step() if engine.has_unfinished_requests() else None
+            outs = None
+            if engine.has_unfinished_requests():
+                outs = engine.step()
+                self._load_due = True
             with self.times("send"):
                 if outs:
                     self._send_outputs(outs)
+                if self._load_due:
+                    self._maybe_send_load()
                 for outbox in outboxes:
                     if outbox.pending:
                         outbox.flush()
@@ -196,11 +213,28 @@ class EngineLoop:
             wake = min(wake, min(self.deadlines.values()))
         return max(0.0, min(wake - now, 1.0))
 
+    def _maybe_send_load(self) -> None:
+        """Every front end gets the engine's Load at most every LOAD_INTERVAL seconds while
+        it works, and at once when it is idle (the last word until it works again)."""
+        now = time.monotonic()
+        busy = self.engine.has_unfinished_requests()
+        if busy and now - self._last_load < LOAD_INTERVAL:
+            return
+        self._load_due, self._last_load = False, now
+        sched = self.engine.scheduler
+        waiting, running = len(sched.waiting), len(sched.running)
+        free = self.engine.block_manager.num_free_blocks
+        for outbox, seen in zip(self.outboxes, self.adds_seen):
+            outbox.put_load(Load(waiting, running, free, seen))
+
     def _handle(self, msg: FrontEndMessage, origin: int) -> None:
         match msg:
             case AddRequest():
+                self.adds_seen[origin] += 1
+                self._load_due = True
                 self._add(msg, origin)
             case AbortRequest(request_id=rid):
+                self._load_due = True
                 self._finish(rid, FinishReason.ABORT, notify=False)
             case StatsQuery(token=token):
                 self.outboxes[origin].send(StatsReply(token, self.stats()))

@@ -6,7 +6,7 @@ dispatches with `match` on the type. The engine speaks no HTTP: a rejection carr
 
   front end -> engine: AddRequest | AbortRequest | StatsQuery | Shutdown
   engine -> front end: Ready | Fatal (first message, once) | Accepted | Rejected
-      | Outputs (a step's Deltas) | StatsReply
+      | Outputs (a step's Deltas) | Load (after steps, for placement) | StatsReply
 
 Outputs and Delta go out every step, so they pickle as plain field tuples (`__reduce__`):
 ~2x faster over the pipe than a dataclass's default state dict.
@@ -164,6 +164,24 @@ class Outputs:
 
 
 @dataclass(frozen=True)
+class Load:
+    """The engine's queues and free KV blocks, what placement across data-parallel replicas
+    weighs (entrypoints/openai/replicas.py). Sent to every front end after steps, at most
+    every LOAD_INTERVAL seconds (engine_proc.py) and whenever the engine goes idle."""
+
+    num_waiting: int
+    num_running: int
+    num_free_kv_blocks: int
+    # AddRequests from this front end the engine has taken so far (queued or rejected):
+    # the front end counts those sent since as not yet in num_waiting
+    adds_seen: int
+
+    def __reduce__(self):  # as Delta's: sent every few steps
+        return (Load, (self.num_waiting, self.num_running, self.num_free_kv_blocks,
+                       self.adds_seen))
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's queues, KV cache and counters (what /metrics shows)."""
 
@@ -201,4 +219,4 @@ class StatsReply:
 
 
 FrontEndMessage = AddRequest | AbortRequest | StatsQuery | Shutdown
-EngineMessage = Ready | Fatal | Accepted | Rejected | Outputs | StatsReply
+EngineMessage = Ready | Fatal | Accepted | Rejected | Outputs | Load | StatsReply

@@ -4,7 +4,7 @@ import select
 from collections import deque
 from multiprocessing.connection import Connection
 
-from nanovllm.engine.messages import Delta, EngineMessage, Outputs
+from nanovllm.engine.messages import Delta, EngineMessage, Load, Outputs
 
 
 class Outbox:
@@ -15,20 +15,22 @@ class Outbox:
     waits and there is room, as usual, a step's Deltas go out as one message at once). Replies
     go first, so Accepted precedes the Deltas of its request. While the front end lags,
     new Deltas merge into the unsent ones, one per completion: it later receives fewer,
-    larger Deltas. Everything runs on the engine's thread: a writer thread was measured to
-    cost ~5% of a host-bound engine's throughput in GIL hand-offs."""
+    larger Deltas, and a newer Load replaces an unsent one. Everything runs on the engine's
+    thread: a writer thread was measured to cost ~5% of a host-bound engine's throughput in
+    GIL hand-offs."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self._replies: deque[EngineMessage] = deque()
         self._deltas: dict[tuple[str, int], Delta] = {}
+        self._load: Load | None = None
         self._poll = select.poll()
         self._poll.register(conn.fileno(), select.POLLOUT)
 
     @property
     def pending(self) -> bool:
         """Whether anything waits for room in the pipe."""
-        return bool(self._replies or self._deltas)
+        return bool(self._replies or self._deltas or self._load)
 
     def send(self, msg: EngineMessage) -> None:
         """Queue a reply (anything but Deltas) ahead of waiting Deltas, and write what fits."""
@@ -47,12 +49,23 @@ class Outbox:
             pending[key] = d if prev is None else prev.merge(d)
         self.flush()
 
+    def put_load(self, load: Load) -> None:
+        """Send the engine's Load, or keep it (the latest only) until there is room."""
+        if not self.pending and self._poll.poll(0):
+            self.conn.send(load)
+            return
+        self._load = load
+        self.flush()
+
     def flush(self, timeout: float = 0.0) -> bool:
         """Write what waits, one message at a time while the pipe has room (waiting up to
         `timeout` seconds for it); True once nothing is left."""
         while self.pending and self._poll.poll(timeout * 1000):
             if self._replies:
                 self.conn.send(self._replies.popleft())
+            elif self._load is not None:
+                load, self._load = self._load, None
+                self.conn.send(load)
             else:
                 deltas, self._deltas = self._deltas, {}
                 self.conn.send(Outputs(list(deltas.values())))

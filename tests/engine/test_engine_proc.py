@@ -15,6 +15,7 @@ from nanovllm.engine.messages import (
     AddRequest,
     Delta,
     EngineProcessConfig,
+    Load,
     Outputs,
     Ready,
     Rejected,
@@ -215,3 +216,50 @@ def test_engine_keeps_reading_while_its_replies_wait(engine):
         if isinstance(msg, StatsReply):
             tokens.append(msg.token)
     assert tokens == list(range(n))  # every reply, in order
+
+
+def test_every_front_end_hears_the_engines_load(tiny_llama):
+    """Two front ends' pipes: each gets the engine's Load while it works, counting the other
+    front end's requests too, and a last one once it is idle; adds_seen counts the
+    AddRequests taken from that pipe only."""
+    config = EngineProcessConfig(str(tiny_llama), EngineConfig(**ENGINE), None)
+    proc, conns = start_engine(config, num_front_ends=2)
+    try:
+        for conn in conns:
+            assert conn.poll(120), "engine did not start"
+            ready = conn.recv()
+            assert isinstance(ready, Ready)
+        a, b = conns
+        long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        for i in range(6):  # 4 rows: 4 run, 2 wait
+            a.send(AddRequest(f"a{i}", [1, 2, 3 + i], long, stream=False))
+        b.send(AddRequest("b0", [4, 5, 6], long, stream=False))
+
+        def loads(conn, requests: int) -> list[Load]:
+            """Every Load on `conn` until its requests ended and a Load says idle."""
+            got, ended = [], 0
+            end = time.monotonic() + 60
+            while time.monotonic() < end:
+                if not conn.poll(0.5):
+                    continue
+                msg = conn.recv()
+                if isinstance(msg, Outputs):
+                    ended += sum(d.finish_reason is not None for d in msg.deltas)
+                elif isinstance(msg, Load):
+                    got.append(msg)
+                    if ended == requests and msg.num_running == msg.num_waiting == 0:
+                        return got
+            raise AssertionError(f"no idle Load after {ended} of {requests} ended: {got[-3:]}")
+
+        for conn, requests, sent in ((a, 6, 6), (b, 1, 1)):
+            got = loads(conn, requests)
+            assert max(m.num_running for m in got) == 4  # b hears a's requests too
+            assert any(m.num_waiting > 0 for m in got)
+            assert got[-1] == Load(0, 0, ready.info.num_kv_blocks, sent)
+    finally:
+        for conn in conns:
+            conn.send(Shutdown())
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+

@@ -24,6 +24,7 @@ from nanovllm.engine.messages import (
     EngineStats,
     Fatal,
     FrontEndMessage,
+    Load,
     Outputs,
     Ready,
     Rejected,
@@ -74,6 +75,10 @@ class EngineClient:
         self._sender = threading.Thread(target=self._send_loop, name="engine-send", daemon=True)
         self._sender.start()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # placement's view of the engine (replicas.py): its last Load, and the AddRequests
+        # sent so far (those beyond the Load's adds_seen are not in it yet)
+        self.load: Load | None = None
+        self.sent_adds = 0
         # called once, on the event loop, when the engine is gone (launch.py stops the server)
         self.on_death: Callable[[str], None] | None = None
 
@@ -115,6 +120,7 @@ class EngineClient:
         ack = asyncio.get_running_loop().create_future()
         self._acks[req.request_id] = ack
         self._queues[req.request_id] = out
+        self.sent_adds += 1
         self._send(req)
         try:
             reply = await ack
@@ -222,6 +228,8 @@ class EngineClient:
                     q = queues.get(d.request_id)
                     if q is not None:
                         q.put_nowait(d)
+            case Load():
+                self.load = msg
             case Accepted(request_id=rid) | Rejected(request_id=rid):
                 ack = self._acks.get(rid)
                 if ack is not None and not ack.done():

@@ -4,10 +4,17 @@ whole engine on its own GPU (or a share of the CPU's cores), behind one front en
 `ReplicaSet` has the interface the routes use (`add`, `release`, `stats`, `alive`, `info`,
 `attach`, `shutdown`, `on_death`), so one engine is a set of one. Each request goes to one
 replica:
+- by load: every engine reports its waiting and running requests and free KV blocks
+  (messages.Load, after its steps, ~100 times a second while it works, and when it goes
+  idle) to every front end. A replica's load is its running requests plus WAITING_WEIGHT
+  per waiting one, the requests this front end sent since the report counted as waiting,
+  and the new request too where its prompt would not fit in the free KV blocks (it would
+  wait there). So the front ends of `--api-server-count` see each other's requests, and
+  a replica whose cache is full of long contexts looks as busy as it is;
 - prefix affinity: the chained hashes of the prompt's leading blocks (the prefix cache's
   key, core/block_manager.py) remember which replica last took them; the replica that holds
   the longest known prefix gets the request,
-- unless it is overloaded: more requests in flight than the least loaded live replica plus
+- unless it is overloaded: a load above the least loaded live replica's plus
   AFFINITY_SLACK; then the least loaded takes it (and the prefix is remembered there); a
   prompt with no remembered prefix goes to the least loaded, ties taking turns.
 A replica whose process dies is taken out of placement (its requests in flight end with an
@@ -28,7 +35,10 @@ from nanovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadEr
 
 log = logging.getLogger("nanovllm.server")
 
-AFFINITY_SLACK = 4  # requests in flight a replica may have beyond the least loaded one
+WAITING_WEIGHT = 4  # a waiting request loads a replica as much as this many running ones
+# the load a prefix's replica may have beyond the least loaded one's: two more requests
+# waiting, or eight more running
+AFFINITY_SLACK = 2 * WAITING_WEIGHT
 AFFINITY_BLOCKS = 64  # leading blocks of a prompt remembered per placement
 AFFINITY_ENTRIES = 200_000  # prefix hashes remembered in all (least recently used go)
 
@@ -38,7 +48,6 @@ class ReplicaSet:
         self.clients = clients
         self.info = clients[0].info
         self.block_size = self.info.block_size
-        self.load = [0] * len(clients)  # requests added and not yet released, per replica
         self._owner: dict[str, int] = {}  # request id -> replica
         self._affinity: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica
         self._turn = 0
@@ -130,7 +139,6 @@ class ReplicaSet:
     async def add(self, req: AddRequest, out: asyncio.Queue) -> None:
         i = self.place(req.prompt_token_ids)
         self._owner[req.request_id] = i
-        self.load[i] += 1
         try:
             await self.clients[i].add(req, out)
         except BaseException:
@@ -165,11 +173,12 @@ class ReplicaSet:
             raise EngineDeadError(self.error or "every engine replica has exited")
         if len(self.clients) == 1:
             return live[0]
-        fewest = min(self.load[i] for i in live)
-        idle = [i for i in live if self.load[i] == fewest]
+        bs = self.block_size
+        load = {i: self.load_of(i, -(-len(prompt) // bs)) for i in live}
+        fewest = min(load.values())
+        idle = [i for i in live if load[i] == fewest]
         self._turn += 1
         least = idle[self._turn % len(idle)]  # ties take turns
-        bs = self.block_size
         hashes, h = [], 0
         for start in range(0, min(len(prompt) // bs, AFFINITY_BLOCKS) * bs, bs):
             h = hash_block(prompt[start : start + bs], h)
@@ -181,7 +190,7 @@ class ReplicaSet:
                 home = i
                 break
         chosen = home if home is not None and (
-            self.load[home] <= self.load[least] + AFFINITY_SLACK) else least
+            load[home] <= load[least] + AFFINITY_SLACK) else least
         for h in hashes:
             self._affinity[h] = chosen
             self._affinity.move_to_end(h)
@@ -189,11 +198,22 @@ class ReplicaSet:
             self._affinity.popitem(last=False)
         return chosen
 
+    def load_of(self, i: int, prompt_blocks: int) -> int:
+        """Replica i's load for a prompt of `prompt_blocks` KV blocks (module docstring)."""
+        c = self.clients[i]
+        r = c.load
+        if r is None:  # the engine has not stepped yet: whatever was sent waits
+            waiting, running, free, seen = 0, 0, c.info.num_kv_blocks, 0
+        else:
+            waiting, running = r.num_waiting, r.num_running
+            free, seen = r.num_free_kv_blocks, r.adds_seen
+        waiting += c.sent_adds - seen
+        if prompt_blocks > free:
+            waiting += 1
+        return running + WAITING_WEIGHT * waiting
+
     def _forget(self, request_id: str) -> int | None:
-        i = self._owner.pop(request_id, None)
-        if i is not None:
-            self.load[i] -= 1
-        return i
+        return self._owner.pop(request_id, None)
 
     def _replica_died(self, i: int, reason: str) -> None:
         if len(self.clients) > 1:
