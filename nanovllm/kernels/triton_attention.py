@@ -104,8 +104,10 @@ def default_prefill_config(
     head_dim: int, max_query_len: int, group: int, dtype: torch.dtype = torch.bfloat16,
     fp8: bool = False,
 ) -> TileConfig:
-    # Sized on sm_90 to compile without register spills (checked with ptxas -v): bf16 d128
-    # at 180 regs. fp32 is the exact test path; its "ieee" dot runs on FMAs, so small tiles.
+    # Sized on sm_90 to compile without register spills (`python -m tests.model.sm90_ptx`
+    # reports ptxas' registers and spills): bf16 d128 at ~150 regs; the fp8 cache's tiles at
+    # the 255 cap (no spill with the device's Triton 3.6). fp32 is the exact test path; its
+    # "ieee" dot runs on FMAs, so small tiles.
     # A bf16 cache's KV tiles are 32 positions (3 stages at 8 warps): on the H200 a seed
     # prefill step (27 fresh prompts, 16,384 tokens) took 0.243 ms against 0.306 with 64
     # and 2, 8 x 512 0.062 against 0.071 (benchmarks/attention.py --prefill); an fp8

@@ -9,7 +9,8 @@ the jitted kernel swapped for a recorder; each recorded launch is then compiled 
 signature Triton would give it on a GPU: pointers 16-byte aligned, integers equal to 1
 folded and those divisible by 16 marked so (unless the kernel says do_not_specialize).
 Prints one JSON object per compiled launch: kernel, case, the PTX's loads by kind and width,
-and its count of shared-memory stores.
+its count of shared-memory stores, the shared memory it needs and, from the cubin (through
+the cuobjdump Triton ships), its registers a thread and bytes spilled to local memory.
 """
 
 import inspect
@@ -154,6 +155,31 @@ def record_sampler() -> list:
     return calls
 
 
+def _resources(cubin: bytes | None) -> dict:
+    """Registers a thread and spill bytes of a compiled kernel, read by the cuobjdump that
+    ships with Triton; {} where it or the cubin is missing."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    if not cubin or not (os.path.exists(tool) or shutil.which("cuobjdump")):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        exe = tool if os.path.exists(tool) else "cuobjdump"
+        text = subprocess.run([exe, "--dump-resource-usage", f.name], capture_output=True,
+                              text=True).stdout
+    regs = re.search(r"REG:(\d+)", text)
+    stack = re.search(r"STACK:(\d+)", text)
+    local = re.search(r"LOCAL:(\d+)", text)
+    return {"regs": int(regs.group(1)) if regs else None,
+            "spill_bytes": int(stack.group(1)) + int(local.group(1)) if stack and local else None}
+
+
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET=1: the point is the compiler")
@@ -179,7 +205,8 @@ def main() -> None:
             print(json.dumps({"unsupported": f"triton {triton.__version__}: {e!r}"}))
             return
         try:
-            ptx = compile(src, target=target, options=options).asm["ptx"]
+            compiled = compile(src, target=target, options=options)
+            ptx = compiled.asm["ptx"]
         except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
             out["error"] = f"{type(e).__name__}: {e}"[:2000]
         else:
@@ -191,6 +218,10 @@ def main() -> None:
                           for op in ("mul.hi.u32", "lg2.approx.f32", "cvt.rn.f16x2.e4m3x2")}
             # fp8 operands on the tensor cores as they are (the experimental decode)
             out["ops"]["wgmma e4m3"] = len(re.findall(r"wgmma\.mma_async[.\w]*e4m3", ptx))
+            # what a launch needs of an SM: shared memory (H100/H200: 227 KiB a block at
+            # most) and, from ptxas, registers a thread and bytes spilled to local memory
+            out["shared"] = compiled.metadata.shared
+            out |= _resources(compiled.asm.get("cubin"))
         print(json.dumps(out), flush=True)
 
 
