@@ -311,6 +311,17 @@ def prefill_sweep(table: Table, kv: str = "bf16") -> None:
                         cfg = tb.TileConfig(block_m, block_n, num_warps, num_stages)
                         impl = f"m{block_m} n{block_n} w{num_warps} s{num_stages}"
                         run_triton(table, case, impl, batch, prefill_config=cfg)
+        if kv != "bf16":  # fp8_attention's prefill: tiles of FP8_MMA_TILE positions, q in e4m3
+            for mode in ("qp", "q"):  # (and P): its tiles spill at 128 rows (sm90_ptx)
+                run_triton(table, case, f"fp8_attention={mode} default", batch,
+                           fp8_attention=mode)
+                for block_m in (64, 128):
+                    for num_warps in (4, 8):
+                        for num_stages in (2, 3):
+                            cfg = tb.TileConfig(block_m, tb.FP8_MMA_TILE, num_warps, num_stages)
+                            impl = f"fp8_attention={mode} m{block_m} w{num_warps} s{num_stages}"
+                            run_triton(table, case, impl, batch, prefill_config=cfg,
+                                       fp8_attention=mode)
         del batch
     run_sdpa(table, "prefill 8x512 contiguous", 8, 512)
 

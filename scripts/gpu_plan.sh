@@ -18,13 +18,15 @@
 #                                     # steps against --mixed-graphs (ITL and TPOT percentiles)
 #   bash scripts/gpu_plan.sh fp8attn  # fp8_attention: its GPU tests, its decode kernel against
 #                                     # the engine's, the seed workload with off / q / qp, a
-#                                     # decode step's profile; the fp8 cache's prefill tiles
+#                                     # decode step's profile
+#   bash scripts/gpu_plan.sh fp8prefill # the fp8 cache's prefill tiles, the engine's and
+#                                     # fp8_attention's (benchmarks/attention.py --prefill --fp8)
 #   bash scripts/gpu_plan.sh swap     # the host tier's copies (GPU tests), then issue 13's
 #                                     # priority burst on the 8B shape, twice, alternating
 #                                     # recompute / swap / auto / auto waiting for its copies
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -114,16 +116,18 @@ case "$stage" in
         | sed "s/^/$mode: /" | tee -a "$OUT/fp8attn_offline.log"
     done
     timeout 100 python3 -m benchmarks.profile_step --kv-cache-dtype fp8 --fp8-attention qp \
-      2>&1 | grep -E "unprofiled|GPU kernel time|_decode" | tee "$OUT/fp8attn_profile.log"
-    # and the fp8 cache's prefill tiles, never swept (the bf16 cache's were: a4a7125)
-    timeout 100 python3 -m benchmarks.attention --prefill --fp8 2>&1 \
-      | tee "$OUT/fp8_prefill_tiles.log" | tail -80 ;;
+      2>&1 | grep -E "unprofiled|GPU kernel time|_decode" | tee "$OUT/fp8attn_profile.log" ;;
+  fp8prefill)
+    # the fp8 cache's prefill tiles, never swept (the bf16 cache's were: a4a7125), and
+    # fp8_attention's (128 positions a tile; they spill registers at 128 rows, sm90_ptx)
+    timeout 500 python3 -m benchmarks.attention --prefill --fp8 2>&1 \
+      | tee "$OUT/fp8_prefill_tiles.log" | tail -100 ;;
   swap)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/worker/test_host_pool.py \
       tests/engine/test_host_tier.py 2>&1 | tee "$OUT/swap_tests.log" | tail -3
     timeout 420 python3 -m benchmarks.kv_tiers --shape 8b --only priority --repeat 2 \
       --out "$OUT/swap.json" 2>&1 | grep -v " INFO " | tee "$OUT/swap.log" | tail -16 ;;
   *)
-    echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn or swap" >&2
+    echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill or swap" >&2
     exit 2 ;;
 esac
