@@ -75,7 +75,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA, else torch) | triton | torch
     overlap: bool | None = None  # schedule step N+1 while the GPU runs step N (None: on GPU)
     seed: int = 0
-    num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
+    # CPU: torch intra-op threads, fixed. None: torch's default, fewer while other processes
+    # take cores (worker/cpu_threads.py)
+    num_threads: int | None = None
     # how a GGUF file's 4/8-bit weights run on a CPU: int4 (kept quantized: torch's int4 /
     # int8 CPU kernels) | int4-bf16 (int4, plus a bfloat16 copy of the 4-bit projections
     # for prefill steps: ~1.8x faster prompts, ~200 MB more) | dense (dequantized to dtype).

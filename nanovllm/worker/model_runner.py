@@ -25,6 +25,7 @@ from nanovllm.model.loader.source import ModelSource
 from nanovllm.model.loader.weights import load_weights
 from nanovllm.model.models.registry import build_model
 from nanovllm.model.parallel import SINGLE, TensorParallel
+from nanovllm.worker.cpu_threads import CpuThreads
 from nanovllm.worker.inputs import InputBuffers, StepInputs, buffer_rows
 from nanovllm.worker.kv_cache import (
     HostKVPool,
@@ -86,8 +87,12 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.kv_format = KVFormat.of(config.kv_cache_dtype, config.kv_cache_scales, self.dtype,
                                      model_config.head_dim)
+        # on a CPU without num_threads: as many threads as other processes leave cores
+        self.cpu_threads = None
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
+        elif self.device.type == "cpu":
+            self.cpu_threads = CpuThreads.create()
         torch.manual_seed(config.seed)
         self.kernels = select_kernels(config.kernels, config.attention_backend,
                                       config.fp8_attention)
@@ -233,6 +238,8 @@ class ModelRunner:
             raise failure from e
 
     def _launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
+        if self.cpu_threads is not None:
+            self.cpu_threads.update()
         seqs = batch.sampling_seqs
         pad = pad_tokens = 0
         tokens = batch.num_tokens

@@ -138,7 +138,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     opt("seed", "--engine-seed", type=int, metavar="N",
         help="seeds the sampling of requests that set no seed of their own")
     opt("num_threads", "--num-threads", "--threads", type=int, metavar="N",
-        help="CPU: torch threads (default: torch's choice)")
+        help="CPU: torch threads, fixed (default: torch's choice, fewer while other "
+        "processes take cores)")
     opt("weight_format", choices=["auto", "int4", "int4-bf16", "dense"],
         help="a GGUF file's 4/8-bit weights on the CPU: int4 (kept quantized), int4-bf16 "
         "(int4, plus a bfloat16 copy for prefill: ~1.8x faster prompts, ~200 MB more "

@@ -1,0 +1,106 @@
+"""CpuThreads: torch's intra-op threads follow the cores other processes leave free, read
+from /proc/stat (a written one, then the machine's own with a busy process beside us)."""
+
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nanovllm.worker import cpu_threads
+from nanovllm.worker.cpu_threads import CpuThreads
+
+
+@pytest.fixture
+def threads():
+    """torch's thread count, put back after the test."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+class FakeMachine:
+    """A /proc/stat of 3 CPUs in ticks of 1/100 s, this process's CPU time and a clock."""
+
+    def __init__(self, tmp_path, monkeypatch) -> None:
+        self.path = tmp_path / "stat"
+        self.now, self.own, self.busy = 1000.0, 0.0, [0, 0, 0]
+        monkeypatch.setattr(cpu_threads, "PROC_STAT", str(self.path))
+        monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(cpu_threads.os, "times", lambda: SimpleNamespace(
+            user=self.own, system=0.0))
+        monkeypatch.setattr(cpu_threads.os, "sysconf", lambda name: 100)
+        self.write()
+
+    def write(self) -> None:
+        # user nice system idle iowait irq softirq steal guest guest_nice
+        lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
+        for i, b in enumerate(self.busy):
+            lines.append(f"cpu{i} {b // 2} 0 {b - b // 2} 99999 500 0 0 0 0 0")
+        lines.append("intr 12345 0 0")
+        self.path.write_text("\n".join(lines) + "\n")
+
+    def run(self, seconds: float, own_cores: float, busy_cores: list[float]) -> None:
+        """`seconds` pass: this process used `own_cores`, on top of which each CPU was busy
+        `busy_cores[i]` of the time (ours counted in, spread over the CPUs we use)."""
+        self.now += seconds
+        self.own += own_cores * seconds
+        self.busy = [b + int(c * seconds * 100) for b, c in zip(self.busy, busy_cores)]
+        self.write()
+
+
+def test_threads_follow_the_cores_others_leave(tmp_path, monkeypatch, threads):
+    m = FakeMachine(tmp_path, monkeypatch)
+    torch.set_num_threads(2)
+    ct = CpuThreads(max_threads=2, cpus=[0, 1])  # CPU 2 is not ours: its load never counts
+    m.run(0.5, 0.0, [1.0, 0.0, 1.0])
+    ct.update()
+    assert torch.get_num_threads() == 2  # under INTERVAL since the last look: no change
+    m.run(0.5, 1.0, [1.0, 1.0, 1.0])  # a second: we used 1 core, another process 1 core
+    ct.update()
+    assert torch.get_num_threads() == 1
+    m.run(1.0, 1.0, [1.0, 0.2, 1.0])  # the other process only wakes now and then (0.2)
+    ct.update()
+    assert torch.get_num_threads() == 2
+    m.run(1.0, 2.0, [1.0, 1.0, 0.0])  # ours alone on both cores
+    ct.update()
+    assert torch.get_num_threads() == 2
+    capped = CpuThreads(max_threads=1, cpus=[0, 1])  # never beyond torch's default
+    m.run(1.0, 0.0, [0.0, 0.0, 0.0])
+    capped.update()
+    assert torch.get_num_threads() == 1
+    m.run(1.0, 0.0, [1.0, 1.0, 1.0])  # others on every core: still one thread
+    ct.update()
+    assert torch.get_num_threads() == 1
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat") or not hasattr(os, "sched_getaffinity")
+                    or len(os.sched_getaffinity(0)) < 2, reason="Linux with 2+ CPUs")
+def test_a_busy_process_on_one_of_our_cpus_takes_a_thread(threads):
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    torch.set_num_threads(2)
+    ct = CpuThreads(max_threads=2, cpus=cpus)
+    spin = (f"import os, time; os.sched_setaffinity(0, {{{cpus[0]}}}); "
+            "end = time.time() + 30\nwhile time.time() < end: pass")
+    hog = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)  # it starts spinning
+        ct.update()  # a first look, to start the window while it spins
+        time.sleep(cpu_threads.INTERVAL + 0.1)
+        ct.update()
+        assert torch.get_num_threads() == 1
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def test_an_engine_on_a_cpu_adapts_unless_num_threads_is_set(tiny_llama, threads):
+    from nanovllm import LLM
+
+    adapting = LLM(str(tiny_llama), device="cpu", kv_cache_gib=0.01).engine.runner
+    assert (adapting.cpu_threads is not None) == os.path.exists("/proc/stat")
+    fixed = LLM(str(tiny_llama), device="cpu", kv_cache_gib=0.01, num_threads=1).engine.runner
+    assert fixed.cpu_threads is None and torch.get_num_threads() == 1
