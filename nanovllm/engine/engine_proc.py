@@ -234,7 +234,6 @@ class EngineLoop:
                 self._load_due = True
                 self._add(msg, origin)
             case AbortRequest(request_id=rid):
-                self._load_due = True
                 self._finish(rid, FinishReason.ABORT, notify=False)
             case StatsQuery(token=token):
                 self.outboxes[origin].send(StatsReply(token, self.stats()))
@@ -287,6 +286,7 @@ class EngineLoop:
             self._finish(rid, FinishReason.TIMEOUT, notify=True)
 
     def _finish(self, rid: str, reason: FinishReason, notify: bool) -> None:
+        self._load_due = True  # an abort or a timeout: the queues may be shorter
         out = self.engine.finish_request(rid, reason)
         self.deadlines.pop(rid, None)
         if out is None:
