@@ -80,6 +80,8 @@ def engine_counters(base_url: str, headers: dict) -> dict[str, float] | None:
         key = keys.get(name)
         if name == "nanovllm:engine_loop_seconds_total":
             key = line.split('phase="', 1)[1].split('"', 1)[0]
+        if name == "nanovllm:generation_tokens_total" and 'replica="' in line:
+            key = "tokens of replica " + line.split('replica="', 1)[1].split('"', 1)[0]
         if key is not None:
             found[key] = found.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return found or None
@@ -105,6 +107,13 @@ def report_steps(before, after, run: dict) -> None:
     run["engine_steps"], run["engine_prefill_steps"] = delta["steps"], delta["prefill_steps"]
     print(f"       engine steps: {run['engine_steps']:.0f} "
           f"({run['engine_prefill_steps']:.0f} with prompt tokens)")
+    shares = {k.rsplit(" ", 1)[1]: v for k, v in delta.items() if k.startswith("tokens of")}
+    if len(shares) > 1:  # data parallel: how evenly placement spread the work
+        run["tokens_by_replica"] = shares
+        even = sum(shares.values()) / len(shares)
+        print("       replicas: output tokens " + " / ".join(
+            f"{v:,.0f}" for v in shares.values()) + f" (busiest {max(shares.values()) / even:.2f}"
+            " of an even share)")
     loop = {p: delta[p] for p in LOOP_PHASES if p in delta}
     if loop:
         run["engine_loop_s"] = loop
