@@ -39,9 +39,12 @@ class CpuThreads:
     def create(cls) -> "CpuThreads | None":
         """One over torch's current thread count and this process's CPUs, or None where
         /proc/stat or CPU affinity is not there to read."""
-        if not hasattr(os, "sched_getaffinity") or not os.path.exists(PROC_STAT):
+        if not hasattr(os, "sched_getaffinity"):
             return None
-        return cls(torch.get_num_threads(), sorted(os.sched_getaffinity(0)))
+        try:
+            return cls(torch.get_num_threads(), sorted(os.sched_getaffinity(0)))
+        except (OSError, ValueError, IndexError):  # no /proc/stat, or not in its format
+            return None
 
     def _sample(self) -> tuple[float, float, float]:
         """(now, CPU seconds busy on our CPUs since boot, this process's CPU seconds)."""
@@ -62,9 +65,15 @@ class CpuThreads:
 
     def update(self) -> None:
         """Once INTERVAL has passed: the thread count for the cores others left free."""
-        if time.monotonic() - self._last[0] < INTERVAL:
+        if self._last is None or time.monotonic() - self._last[0] < INTERVAL:
             return
-        now = self._sample()
+        try:
+            now = self._sample()
+        except (OSError, ValueError, IndexError) as e:  # a step never fails for this
+            log.warning("CPU threads stay at %d: cannot read %s (%s)",
+                        torch.get_num_threads(), PROC_STAT, e)
+            self._last = None
+            return
         (t0, busy0, own0), (t1, busy1, own1) = self._last, now
         self._last = now
         others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)

@@ -104,3 +104,19 @@ def test_an_engine_on_a_cpu_adapts_unless_num_threads_is_set(tiny_llama, threads
     assert (adapting.cpu_threads is not None) == os.path.exists("/proc/stat")
     fixed = LLM(str(tiny_llama), device="cpu", kv_cache_gib=0.01, num_threads=1).engine.runner
     assert fixed.cpu_threads is None and torch.get_num_threads() == 1
+
+
+def test_an_unreadable_proc_stat_leaves_the_threads_and_the_step_alone(
+        tmp_path, monkeypatch, threads, caplog):
+    m = FakeMachine(tmp_path, monkeypatch)
+    torch.set_num_threads(2)
+    ct = CpuThreads(max_threads=2, cpus=[0, 1])
+    m.path.write_text("cpu0 garbage\n")  # not /proc/stat's format any more
+    m.run(1.0, 0.0, [1.0, 1.0, 1.0])
+    m.path.write_text("cpu0 garbage\n")
+    ct.update()  # logs, does not raise
+    assert torch.get_num_threads() == 2 and "cannot read" in caplog.text
+    m.now += 5.0
+    ct.update()  # and stops looking
+    monkeypatch.setattr(cpu_threads, "PROC_STAT", str(tmp_path / "missing"))
+    assert CpuThreads.create() is None
