@@ -123,9 +123,10 @@ case "$stage" in
     timeout 500 python3 -m benchmarks.attention --prefill --fp8 2>&1 \
       | tee "$OUT/fp8_prefill_tiles.log" | tail -100 ;;
   swap)
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/worker/test_host_pool.py \
+    timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/worker/test_host_pool.py \
       tests/engine/test_host_tier.py 2>&1 | tee "$OUT/swap_tests.log" | tail -3
-    timeout 420 python3 -m benchmarks.kv_tiers --shape 8b --only priority --repeat 2 \
+    # 8 engines of the 8B shape, each loading 16 GB of weights and pinning ~20 GiB of swap
+    timeout 520 python3 -m benchmarks.kv_tiers --shape 8b --only priority --repeat 2 \
       --out "$OUT/swap.json" 2>&1 | grep -v " INFO " | tee "$OUT/swap.log" | tail -16 ;;
   *)
     echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill or swap" >&2
