@@ -37,8 +37,8 @@ class CpuThreads:
 
     @classmethod
     def create(cls) -> "CpuThreads | None":
-        """One over torch's current thread count and this process's CPUs, or None where
-        /proc/stat or CPU affinity is not there to read."""
+        """An adjuster over this process's CPUs, capped at torch's current thread count;
+        None where /proc/stat or CPU affinity is not there to read."""
         if not hasattr(os, "sched_getaffinity"):
             return None
         try:
