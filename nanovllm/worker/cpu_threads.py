@@ -34,6 +34,7 @@ class CpuThreads:
         self.cpus = cpus
         self._tick = os.sysconf("SC_CLK_TCK")
         self._last = self._sample()
+        self.others = 0.0  # cores other processes took over the last look
 
     @classmethod
     def create(cls) -> "CpuThreads | None":
@@ -76,7 +77,7 @@ class CpuThreads:
             return
         (t0, busy0, own0), (t1, busy1, own1) = self._last, now
         self._last = now
-        others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
+        self.others = others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
         target = min(self.max_threads, max(1, int(len(self.cpus) - others + MARGIN)))
         if target != torch.get_num_threads():
             log.debug("CPU threads %d -> %d (other processes took %.1f of %d cores)",

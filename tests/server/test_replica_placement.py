@@ -62,10 +62,15 @@ def test_unrelated_prompts_take_turns_and_the_least_loaded_wins():
     rs = replica_set(3)
     picks = [rs.place([i] * BS * 2) for i in range(6)]
     assert sorted(picks[:3]) == [0, 1, 2] and picks[3:] == picks[:3]
+    two = replica_set(2)
+    picks = [two.place([i] * BS * 2) for i in range(4)]
+    assert picks[0] != picks[1] and picks[:2] == picks[2:]  # each in turn, not one twice
     for c, running in zip(rs.clients, [3, 1, 2]):
         c.report(running=running)
     assert rs.place([99] * BS * 2) == 1
-    assert rs.place([5]) == 1  # shorter than a block: no prefix to remember
+    assert rs.place([5]) == 1  # shorter than a block: no prefix to remember, so
+    rs.clients[1].report(running=3)  # once replica 1 is busier, it does not follow it
+    assert rs.place([5]) == 2
     # a waiting request weighs WAITING_WEIGHT (4) running ones: loads 3, 4 and 2
     rs.clients[1].report(waiting=1, running=0)
     assert rs.place([98] * BS * 2) == 2
@@ -98,6 +103,8 @@ def test_a_prompt_that_does_not_fit_in_the_free_blocks_counts_as_waiting():
     assert rs.place([7] * (2 * BS)) == 0  # 2 blocks fit: 1 running is the lighter load
     assert rs.place([8] * (3 * BS)) == 1  # 3 do not: it would wait behind the running ones
     assert rs.load_of(0, 3) == 1 + WAITING_WEIGHT
+    rs.clients[0].report(waiting=2, running=1, free=2)  # one more behind those waiting
+    assert rs.load_of(0, 3) == 1 + 3 * WAITING_WEIGHT and rs.load_of(0, 2) == 1 + 8
 
 
 def test_dead_replicas_are_skipped_and_all_dead_is_an_error():
@@ -130,5 +137,9 @@ def test_release_goes_to_the_replica_that_took_the_request_once():
 def test_the_affinity_map_forgets_the_least_recently_used(monkeypatch):
     monkeypatch.setattr(replicas, "AFFINITY_ENTRIES", 4)
     rs = replica_set()
-    rs.place(DOC)  # 8 blocks: only the last 4 hashes stay
-    assert len(rs._affinity) == 4
+    rs.place(DOC)  # 8 blocks: only the last 4 hashes, the longest prefixes, stay
+    hashes, h = [], 0
+    for start in range(0, len(DOC), BS):
+        h = replicas.hash_block(DOC[start : start + BS], h)
+        hashes.append(h)
+    assert list(rs._affinity) == hashes[4:]
