@@ -205,8 +205,17 @@ class HostKVPool:
         """The blocks of `out` as [n, 2, layers, ...], a buffer of their own on the device."""
         if not out:
             return None
-        blocks = torch.tensor([b for b, _ in out], device=self.device)
+        blocks = self._index([b for b, _ in out])
         return self.cache.tensor.index_select(2, blocks).movedim(2, 0).contiguous()
+
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the device. On a GPU through pinned memory, asynchronously: a plain
+        copy from a list would make the host wait for the side stream, host copies of
+        earlier steps still running included."""
+        t = torch.tensor(ids, dtype=torch.int64)
+        if self.stream is None:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _to_host(self, staged: torch.Tensor | None, out: list[tuple[int, int]]) -> None:
         for i, (_, slot) in enumerate(out):  # one contiguous copy per slot
@@ -220,8 +229,7 @@ class HostKVPool:
                              device=self.device)
         for i, (slot, _) in enumerate(in_):
             staged[i].copy_(self.tensor[slot], non_blocking=True)
-        blocks = torch.tensor([b for _, b in in_], device=self.device)
-        cache.index_copy_(2, blocks, staged.movedim(0, 2))
+        cache.index_copy_(2, self._index([b for _, b in in_]), staged.movedim(0, 2))
 
 
 def measure_preemption_cost(cache: KVCache, model: ModelConfig, max_tokens: int,
