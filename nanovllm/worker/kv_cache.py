@@ -23,6 +23,7 @@ from nanovllm.core.errors import ConfigError
 from nanovllm.core.host_tier import PreemptionCost
 from nanovllm.kernels.torch_attention import fp8_width
 from nanovllm.model.config import ModelConfig
+from nanovllm.worker.sampling import to_device
 
 log = logging.getLogger("nanovllm")
 
@@ -209,13 +210,10 @@ class HostKVPool:
         return self.cache.tensor.index_select(2, blocks).movedim(2, 0).contiguous()
 
     def _index(self, ids: list[int]) -> torch.Tensor:
-        """Block ids on the device. On a GPU through pinned memory, asynchronously: a plain
-        copy from a list would make the host wait for the side stream, host copies of
-        earlier steps still running included."""
-        t = torch.tensor(ids, dtype=torch.int64)
-        if self.stream is None:
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        """Block ids on the device, with no host sync (sampling.to_device): a plain copy
+        from a list would make the host wait for the side stream, so for the previous
+        step's forward pass and earlier steps' host copies."""
+        return to_device(ids, torch.int64, self.device)
 
     def _to_host(self, staged: torch.Tensor | None, out: list[tuple[int, int]]) -> None:
         for i, (_, slot) in enumerate(out):  # one contiguous copy per slot
