@@ -92,8 +92,9 @@ def warm_engine(model: Path, options: dict, warm_len: int) -> LLMEngine:
     """A fresh engine that has run one `warm_len`-token prompt (at a workload's full length,
     its prefill kernels compile here, not in the timed run)."""
     options = dict(options)
-    # not an engine option: the host tier's copies out made the forward pass wait, as before
-    # HostKVPool.overlap_out (compared in the priority experiment)
+    # not an engine option: wait_host_copies makes each step wait for its copies out to
+    # reach the host (HostKVPool.overlap_out = False), as before; the priority experiment
+    # compares both
     HostKVPool.overlap_out = not options.pop("wait_host_copies", False)
     engine = LLMEngine(str(model), **options)
     engine.add_request([5] * warm_len, SamplingParams(temperature=0, max_tokens=4))

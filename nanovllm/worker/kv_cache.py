@@ -195,12 +195,11 @@ class HostKVPool:
         with torch.cuda.stream(self.stream):
             staged = self._gather(out)  # before `in_` may overwrite one of those blocks
             self._from_host(in_)
-            if self.overlap_out:
+            if self.overlap_out:  # the forward pass does not wait for the trip to the host
                 main.wait_stream(self.stream)
-                self._to_host(staged, out)  # the forward pass does not wait for this
-                return
             self._to_host(staged, out)
-        main.wait_stream(self.stream)
+        if not self.overlap_out:
+            main.wait_stream(self.stream)
 
     def _gather(self, out: list[tuple[int, int]]) -> torch.Tensor | None:
         """The blocks of `out` as [n, 2, layers, ...], a buffer of their own on the device."""

@@ -165,12 +165,12 @@ def _resources(cubin: bytes | None) -> dict:
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    if not cubin or not (os.path.exists(tool) or shutil.which("cuobjdump")):
+    exe = tool if os.path.exists(tool) else shutil.which("cuobjdump")
+    if not cubin or exe is None:
         return {}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        exe = tool if os.path.exists(tool) else "cuobjdump"
         text = subprocess.run([exe, "--dump-resource-usage", f.name], capture_output=True,
                               text=True).stdout
     regs = re.search(r"REG:(\d+)", text)
