@@ -241,7 +241,7 @@ def fp8_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     for row, (n, ctx) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
         if n == 0 or ctx == 0 or (decode_only and n != 1):
             continue
-        slots = _context_slots(meta, row, k_cache.shape[1])
+        slots = _context_slots(meta, row, k_cache.shape[1]).to(k_cache.device)
         k_raw, v_raw = (_rows(c, slots).cpu() for c in (k_cache, v_cache))
         out[starts[row]:starts[row] + n] = _fp8_row_attention(
             q[starts[row]:starts[row] + n].float().cpu(), k_raw, v_raw, group,

@@ -179,26 +179,26 @@ class HostKVPool:
         return self.tensor.numel() * self.tensor.element_size() / 2**30
 
     def copy(self, out: list[tuple[int, int]], in_: list[tuple[int, int]]) -> None:
-        """Run one step's copies: every (device block -> host slot) first, then every
-        (host slot -> device block). On a GPU they run on a side stream that starts after
-        the work already queued (the steps that wrote those blocks); the step's forward
-        pass waits for the gather of `out` and for `in_` (see the class); the host copies
-        are asynchronous (pinned memory)."""
+        """Run one step's copies as if every (device block -> host slot) ran first, then
+        every (host slot -> device block): a block offloaded in this step and found by a
+        prefix lookup in the same step is read back from the gathered copy on the device,
+        since its trip to the host may still be under way. On a GPU they run on a side
+        stream that starts after the work already queued (the steps that wrote those
+        blocks); the step's forward pass waits for the gather of `out` and for `in_` (see
+        the class); the host copies are asynchronous (pinned memory)."""
         if not out and not in_:
             return
-        if self.stream is None:
-            self._to_host(self._gather(out), out)
-            self._from_host(in_)
-            return
-        main = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
+        main = None
+        if self.stream is not None:
+            main = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):  # no-op on a CPU (stream None)
             staged = self._gather(out)  # before `in_` may overwrite one of those blocks
-            self._from_host(in_)
-            if self.overlap_out:  # the forward pass does not wait for the trip to the host
-                main.wait_stream(self.stream)
+            self._from_host(in_, out, staged)
+            if main is not None and self.overlap_out:  # the forward pass does not wait
+                main.wait_stream(self.stream)         # for the trip to the host
             self._to_host(staged, out)
-        if not self.overlap_out:
+        if main is not None and not self.overlap_out:
             main.wait_stream(self.stream)
 
     def _gather(self, out: list[tuple[int, int]]) -> torch.Tensor | None:
@@ -218,15 +218,20 @@ class HostKVPool:
         for i, (_, slot) in enumerate(out):  # one contiguous copy per slot
             self.tensor[slot].copy_(staged[i], non_blocking=True)
 
-    def _from_host(self, in_: list[tuple[int, int]]) -> None:
+    def _from_host(self, in_: list[tuple[int, int]], out: list[tuple[int, int]],
+                   staged: torch.Tensor | None) -> None:
+        """Copy `in_` into the cache; a slot this step also writes (`out`, gathered in
+        `staged`) comes from its last write there, as a host copy after `out` would read."""
         if not in_:
             return
+        written = {slot: i for i, (_, slot) in enumerate(out)}  # the last write wins
         cache = self.cache.tensor  # [2, layers, blocks, ...]
-        staged = torch.empty((len(in_), *self.tensor.shape[1:]), dtype=cache.dtype,
-                             device=self.device)
+        rows = torch.empty((len(in_), *self.tensor.shape[1:]), dtype=cache.dtype,
+                           device=self.device)
         for i, (slot, _) in enumerate(in_):
-            staged[i].copy_(self.tensor[slot], non_blocking=True)
-        cache.index_copy_(2, self._index([b for _, b in in_]), staged.movedim(0, 2))
+            j = written.get(slot)
+            rows[i].copy_(self.tensor[slot] if j is None else staged[j], non_blocking=True)
+        cache.index_copy_(2, self._index([b for _, b in in_]), rows.movedim(0, 2))
 
 
 def measure_preemption_cost(cache: KVCache, model: ModelConfig, max_tokens: int,

@@ -131,16 +131,15 @@ def test_bad_tier_settings_say_what_to_change(tiny_llama, options, says):
         LLM(str(tiny_llama), device="cpu", **options)
 
 
-@pytest.mark.gpu
-def test_gpu_swap_and_offload_copy_the_right_bytes(tiny_llama):
-    """On CUDA the copies run on a side stream through pinned memory: the outputs of a
-    cache that swaps and offloads equal those of one that never fills."""
+def test_swap_and_offload_copy_the_right_bytes(tiny_llama, device):
+    """The outputs of a cache that swaps and offloads equal those of one that never fills;
+    on CUDA the copies run on a side stream through pinned memory."""
     prompts = make_prompts(seed=3, count=8, shared_prefix=8)
-    _, roomy = run(tiny_llama, prompts, device="cuda", dtype="float32", num_kv_blocks=256,
+    _, roomy = run(tiny_llama, prompts, device=device, dtype="float32", num_kv_blocks=256,
                    block_size=4)
     for options in (dict(admission_headroom=0, swap_space=0.01, preemption_mode="swap"),
                     dict(admission_headroom=0, swap_space=0, cpu_offload_gib=0.01)):
-        llm, outs = run(tiny_llama, prompts, device="cuda", dtype="float32", **TIGHT,
+        llm, outs = run(tiny_llama, prompts, device=device, dtype="float32", **TIGHT,
                         **options)
         assert llm.engine.scheduler.num_preemptions > 0
         assert [t for t, _ in outs] == [t for t, _ in roomy], options

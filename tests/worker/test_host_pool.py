@@ -45,6 +45,22 @@ def test_a_step_copies_out_before_in_and_the_forward_pass_may_overwrite(
     torch.testing.assert_close(block(cache, 2), before[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_slot_written_and_read_in_one_step_reads_what_was_written(device, overlap,
+                                                                    monkeypatch):
+    # the BlockManager offloads an evicted block to a slot and, in the same step, a prefix
+    # lookup finds it there and copies it back into another block; the slot is written
+    # twice (the LRU slot reused), and the read comes after the last write
+    cache, pool = make_pool(device, overlap, monkeypatch)
+    before = {b: block(cache, b) for b in range(3)}
+    pool.copy([(0, 3), (1, 3)], [(3, 2)])
+    cache[:, :, 1].fill_(-1.0)  # the forward pass writes over the block it evicted
+    if device == "cuda":
+        torch.cuda.synchronize()
+    torch.testing.assert_close(block(cache, 2), before[1], rtol=0, atol=0)
+    torch.testing.assert_close(pool.tensor[3], before[1].cpu(), rtol=0, atol=0)
+
+
 def test_the_forward_pass_sees_blocks_copied_in(device, monkeypatch):
     """A kernel on the current stream right after `copy` reads the block as copied in."""
     cache, pool = make_pool(device, True, monkeypatch)
