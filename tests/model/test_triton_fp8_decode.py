@@ -42,8 +42,13 @@ def test_decode_fp8_matches_its_numerics_and_the_attention(triton_device, scaled
     decode = torch.tensor([q == 1 and n > 0 for q, n in ROWS])
     rows = torch.repeat_interleave(decode, torch.tensor([q for q, _ in ROWS]))
     # the same numerics: float32 sums in another order, and a rounding of P to e4m3 may
-    # fall the other way now and then
-    torch.testing.assert_close(got[rows], want[rows], rtol=2e-3, atol=2e-3)
+    # fall the other way now and then (more often on a GPU, whose exp2 is approximate): a
+    # weight moves by 1/8 of itself, so a few heads' outputs move by up to a few percent
+    if fp8_p:
+        err = (got[rows] - want[rows]).norm(dim=-1) / want[rows].norm(dim=-1)  # per head
+        assert err.median() < 1e-4 and err.max() < 0.05, (err.median(), err.max())
+    else:
+        torch.testing.assert_close(got[rows], want[rows], rtol=2e-3, atol=2e-3)
     # rows other than decode rows are not the kernel's; a padding row (context 0) gets 0
     padding = torch.repeat_interleave(torch.tensor([q == 1 and n == 0 for q, n in ROWS]),
                                       torch.tensor([q for q, _ in ROWS]))

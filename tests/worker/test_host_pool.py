@@ -68,4 +68,6 @@ def test_the_forward_pass_sees_blocks_copied_in(device, monkeypatch):
     pool.copy([(4, 0)], [(3, 5)])
     got = cache[:, :, 5].sum(dim=(2, 3, 4)).cpu()  # queued at once, no synchronize first
     want = pool.tensor[3].sum(dim=(2, 3, 4))
-    torch.testing.assert_close(got, want)
+    # sums of 64k floats in the GPU's order against the CPU's (~1e-5 apart); a block not yet
+    # copied in would hold other random values altogether
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
