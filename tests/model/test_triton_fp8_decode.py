@@ -44,9 +44,11 @@ def test_decode_fp8_matches_its_numerics_and_the_attention(triton_device, scaled
     # the same numerics: float32 sums in another order, and a rounding of P to e4m3 may
     # fall the other way now and then (more often on a GPU, whose exp2 is approximate): a
     # weight moves by 1/8 of itself, so a few heads' outputs move by up to a few percent
+    # (H200: 3 heads of 16 at 4e-3 to 1.3e-2, the others ~1e-4; P in float16 instead of
+    # e4m3 would put the median at ~2e-2)
     if fp8_p:
         err = (got[rows] - want[rows]).norm(dim=-1) / want[rows].norm(dim=-1)  # per head
-        assert err.median() < 1e-4 and err.max() < 0.05, (err.median(), err.max())
+        assert err.median() < 1e-3 and err.max() < 0.05, (err.median(), err.max())
     else:
         torch.testing.assert_close(got[rows], want[rows], rtol=2e-3, atol=2e-3)
     # rows other than decode rows are not the kernel's; a padding row (context 0) gets 0
