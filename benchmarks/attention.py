@@ -29,6 +29,8 @@ import torch
 HQ, HKV, D = 16, 8, 128
 DTYPE = torch.bfloat16
 TOL = 2e-2  # worst per-token relative error vs the fp32 reference, bf16 inputs
+FP8_MMA_TOL = 0.1  # fp8_attention: q (and P) in e4m3 move a token by 4-8% (its unit tests
+# hold the kernels to those numerics, torch_attention.fp8_decode_reference)
 
 
 class Batch:
@@ -108,13 +110,13 @@ class Table:
               f"{'TFLOP/s':>8s} {'rel err':>9s}")
 
     def row(self, case: str, impl: str, ms: float, graph_ms: float | None, kv_bytes: int,
-            flops: int, err: float | None) -> None:
+            flops: int, err: float | None, tol: float = TOL) -> None:
         best = min(ms, graph_ms) if graph_ms else ms
         gbs = kv_bytes / best / 1e6
         tflops = flops / best / 1e9
         g = f"{graph_ms:9.4f}" if graph_ms else f"{'-':>9s}"
         e = f"{err:9.1e}" if err is not None else f"{'-':>9s}"
-        bad = "  <-- WRONG" if err is not None and not err < TOL else ""
+        bad = "  <-- WRONG" if err is not None and not err < tol else ""
         if bad:
             self.failures.append(f"{case} / {impl}: rel err {err}")
         print(f"{case:44s} {impl:28s} {ms:9.4f} {g} {gbs:8.0f} {tflops:8.1f} {e}{bad}",
@@ -153,7 +155,8 @@ def run_triton(table: Table, case: str, impl: str, batch: Batch, graph: bool = F
         err = rel_error(fn(), batch.expected())
         ms = bench(fn)
         graph_ms = bench_graph(fn) if graph else None
-        table.row(case, impl, ms, graph_ms, batch.kv_bytes, batch.flops, err)
+        tol = FP8_MMA_TOL if kw.get("fp8_attention", "off") != "off" else TOL
+        table.row(case, impl, ms, graph_ms, batch.kv_bytes, batch.flops, err, tol)
         return min(ms, graph_ms) if graph_ms else ms
     except Exception as exc:
         table.error(case, impl, exc)

@@ -85,6 +85,7 @@ MAX_SPLITS = 64
 # without, and the seed workload runs 1.05x faster (BENCHMARKS.md)
 LONGEST_FIRST = True
 PREFILL_BLOCK_N, PREFILL_STAGES = 32, 3  # a bf16 cache's prefill tiles (default_prefill_config)
+FP8_PREFILL_STAGES = 3  # an fp8 cache's (64 x 64 tiles at 4 warps)
 # fp8_attention's tiles, prefill and decode: its numerics round P against each tile's running
 # maximum, so both kernels and torch_attention.fp8_decode_reference share the tile
 FP8_MMA_TILE = 128
@@ -110,21 +111,23 @@ def default_prefill_config(
     # "ieee" dot runs on FMAs, so small tiles.
     # A bf16 cache's KV tiles are 32 positions (3 stages at 8 warps): on the H200 a seed
     # prefill step (27 fresh prompts, 16,384 tokens) took 0.243 ms against 0.306 with 64
-    # and 2, 8 x 512 0.062 against 0.071 (benchmarks/attention.py --prefill); an fp8
-    # cache's stay 64 (not swept).
+    # and 2, 8 x 512 0.062 against 0.071 (benchmarks/attention.py --prefill). An fp8
+    # cache's are 64 query rows by 64 positions at 4 warps and 3 stages: 0.366 ms against
+    # 0.411 with 128 rows at 8 warps, 8 x 512 0.083 against 0.091 (--prefill --fp8).
     exact = dtype == torch.float32
-    cap = 32 if exact else 128 if head_dim <= 128 else 64
+    cap = 32 if exact else 64 if fp8 or head_dim > 128 else 128
     # a tile holds at least one token of every query head of the group; beyond that, short
     # queries get a short tile so chunks of a few tokens do not pay for 128 mostly-empty rows
     block_m = max(16, _pow2(group), min(cap, _pow2(max_query_len * _pow2(group))))
     if exact:
         return TileConfig(block_m, block_n=16, num_warps=8, num_stages=2)
-    if head_dim <= 128:
-        wide = block_m >= 128
-        return TileConfig(block_m, block_n=64 if fp8 else PREFILL_BLOCK_N,
-                          num_warps=8 if wide else 4,
-                          num_stages=PREFILL_STAGES if wide and not fp8 else 2)
-    return TileConfig(block_m, block_n=32, num_warps=4, num_stages=2)
+    if head_dim > 128:
+        return TileConfig(block_m, block_n=32, num_warps=4, num_stages=2)
+    if fp8:
+        return TileConfig(block_m, block_n=64, num_warps=4, num_stages=FP8_PREFILL_STAGES)
+    wide = block_m >= 128
+    return TileConfig(block_m, block_n=PREFILL_BLOCK_N, num_warps=8 if wide else 4,
+                      num_stages=PREFILL_STAGES if wide else 2)
 
 
 def default_decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
