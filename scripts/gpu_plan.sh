@@ -23,7 +23,8 @@
 #                                     # fp8_attention's (benchmarks/attention.py --prefill --fp8)
 #   bash scripts/gpu_plan.sh swap     # the host tier's copies (GPU tests), then issue 13's
 #                                     # priority burst on the 8B shape, twice, alternating
-#                                     # recompute / swap / auto / auto waiting for its copies
+#                                     # recompute / swap / auto / auto waiting for its copies,
+#                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
 stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill or swap"}
