@@ -218,6 +218,9 @@ def main() -> None:
                           for op in ("mul.hi.u32", "lg2.approx.f32", "cvt.rn.f16x2.e4m3x2")}
             # fp8 operands on the tensor cores as they are (the experimental decode)
             out["ops"]["wgmma e4m3"] = len(re.findall(r"wgmma\.mma_async[.\w]*e4m3", ptx))
+            # Hopper's warpgroup MMA against Ampere's warp MMA: which tensor-core path a dot took
+            out["ops"]["wgmma"] = len(re.findall(r"wgmma\.mma_async", ptx))
+            out["ops"]["mma.sync"] = len(re.findall(r"\bmma\.sync", ptx))
             # what a launch needs of an SM: shared memory (H100/H200: 227 KiB a block at
             # most) and, from ptxas, registers a thread and bytes spilled to local memory
             out["shared"] = compiled.metadata.shared
