@@ -3,15 +3,17 @@
 One tensor [2 (K, V), layers, blocks, block_size, kv_heads, head_dim]; each attention layer
 reads and writes its own [blocks, block_size, kv_heads, head_dim] views.
 
-The host tier (`HostKVPool`): host memory (pinned on a GPU machine) for blocks copied out of
-the cache, for swapped sequences and for prefixes evicted from the device, one contiguous
-slot per block. The BlockManager decides what is copied where; `HostKVPool.copy` moves the
-bytes, on a side stream on a GPU.
+The host tier (`HostKVPool`): host memory (page-locked on a GPU machine, `page_locked`) for
+blocks copied out of the cache, for swapped sequences and for prefixes evicted from the
+device, one contiguous slot per block. The BlockManager decides what is copied where;
+`HostKVPool.copy` moves the bytes, on a side stream on a GPU.
 """
 
 import logging
+import math
 import mmap
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -171,7 +173,7 @@ class HostKVPool:
         self.device = t.device
         shape = (num_slots, 2, t.shape[1], *t.shape[3:])
         pin = t.device.type == "cuda"
-        self.tensor = torch.empty(shape, dtype=t.dtype, pin_memory=pin)
+        self.tensor = page_locked(shape, t.dtype) if pin else torch.empty(shape, dtype=t.dtype)
         self.stream = torch.cuda.Stream(t.device) if pin else None
 
     @property
@@ -232,6 +234,45 @@ class HostKVPool:
             j = written.get(slot)
             rows[i].copy_(self.tensor[slot] if j is None else staged[j], non_blocking=True)
         cache.index_copy_(2, self._index([b for _, b in in_]), rows.movedim(0, 2))
+
+
+REGISTER_MIN_BYTES = 1 << 30  # page_locked registers pools from this size up
+
+
+def page_locked(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Host memory of `shape`, page-locked so copies to and from a GPU run asynchronously.
+
+    torch's pinned allocator rounds each allocation up to a power of two: a 20 GiB host
+    tier would pin 32 GiB of the machine. Where that would waste more than a sixteenth of a
+    pool of a GiB or more, the pool is ordinary memory registered with CUDA
+    (cudaHostRegister) instead, exactly its size, unregistered when the tensor is freed.
+    Smaller or near-power-of-two pools (the default 4 GiB swap space) take the pinned
+    allocator's memory as before."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not registers(nbytes):
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    t = torch.empty(shape, dtype=dtype)
+    ptr = t.data_ptr()
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise ConfigError(
+            f"the host KV tier could not page-lock {nbytes / 2**30:.2f} GiB of host memory "
+            f"(cudaHostRegister: {err}); lower swap_space + cpu_offload_gib, or raise the "
+            f"limit on locked memory (ulimit -l)")
+    weakref.finalize(t, _unregister, ptr)
+    return t
+
+
+def registers(nbytes: int) -> bool:
+    """Whether `page_locked` registers a pool of `nbytes` rather than take the pinned
+    allocator's next power of two."""
+    rounded = 1 << max(nbytes - 1, 0).bit_length()
+    return nbytes >= REGISTER_MIN_BYTES and rounded - nbytes > nbytes // 16
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.synchronize()  # no copy may still be reading or writing the memory
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def measure_preemption_cost(cache: KVCache, model: ModelConfig, max_tokens: int,

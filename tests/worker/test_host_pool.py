@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanovllm.worker.kv_cache import HostKVPool
+from nanovllm.worker.kv_cache import HostKVPool, page_locked, registers
 
 # [2 (K, V), layers, blocks, block_size, kv_heads, head_dim]: 2 MiB a block on purpose, so
 # that on a GPU a host copy takes long enough for a missing wait to show
@@ -71,3 +71,31 @@ def test_the_forward_pass_sees_blocks_copied_in(device, monkeypatch):
     # sums of 64k floats in the GPU's order against the CPU's (~1e-5 apart); a block not yet
     # copied in would hold other random values altogether
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
+def test_a_large_pool_is_registered_instead_of_rounded_up_to_a_power_of_two():
+    gib = 2**30
+    assert registers(20 * gib + 123)  # the pinned allocator would take 32 GiB
+    assert registers(int(1.5 * gib))
+    assert not registers(4 * gib - 2**21)  # the default 4 GiB of swap, less a part-block
+    assert not registers(gib - 1)  # small pools: the pinned allocator
+    assert not registers(int(7.6 * gib))  # within a sixteenth of 8 GiB
+
+
+@pytest.mark.gpu
+def test_a_registered_pool_copies_asynchronously_and_exactly():
+    stats = getattr(torch.cuda, "host_memory_stats", lambda: {})
+    before = stats().get("allocated_bytes.current")
+    rows = int(1.25 * 2**30) // (4 * 2**20)  # 1.25 GiB: registered, not rounded to 2
+    host = page_locked((rows, 2**20), torch.float32)
+    assert host.is_pinned() and host.shape == (rows, 2**20)
+    src = torch.randn(rows, 2**20, device="cuda")
+    host.copy_(src, non_blocking=True)
+    back = torch.empty_like(src)
+    back.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)
+    if before is not None:  # none of it came from torch's pinned allocator
+        assert stats()["allocated_bytes.current"] - before < 2**30
+    del host  # unregistered (a synchronize first): the process goes on using CUDA
+    torch.cuda.synchronize()
