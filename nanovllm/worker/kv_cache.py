@@ -172,6 +172,7 @@ class HostKVPool:
         self.cache = cache
         self.device = t.device
         shape = (num_slots, 2, t.shape[1], *t.shape[3:])
+        check_host_memory(math.prod(shape) * t.dtype.itemsize)
         pin = t.device.type == "cuda"
         self.tensor = page_locked(shape, t.dtype) if pin else torch.empty(shape, dtype=t.dtype)
         self.stream = torch.cuda.Stream(t.device) if pin else None
@@ -234,6 +235,34 @@ class HostKVPool:
             j = written.get(slot)
             rows[i].copy_(self.tensor[slot] if j is None else staged[j], non_blocking=True)
         cache.index_copy_(2, self._index([b for _, b in in_]), rows.movedim(0, 2))
+
+
+HOST_MEMORY_SHARE = 0.9  # of the host's available memory, the most a host tier may take
+
+
+def host_memory_available() -> int | None:
+    """The host's available memory in bytes (Linux's MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(nbytes: int) -> None:
+    """A host tier that would not fit in the host's available memory is refused before it
+    is allocated (a pinned pool is committed at once: the OS would kill the process or
+    swap instead)."""
+    available = host_memory_available()
+    if available is not None and nbytes > HOST_MEMORY_SHARE * available:
+        raise ConfigError(
+            f"the host KV tier needs {nbytes / 2**30:.1f} GiB (swap_space + cpu_offload_gib) "
+            f"but this host has {available / 2**30:.1f} GiB available: lower swap_space or "
+            f"cpu_offload_gib to at most {HOST_MEMORY_SHARE * available / 2**30:.1f} GiB in "
+            f"all")
 
 
 REGISTER_MIN_BYTES = 1 << 30  # page_locked registers pools from this size up

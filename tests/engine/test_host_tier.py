@@ -9,6 +9,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.core.errors import ConfigError
 from nanovllm.core.trace import read_trace
+from nanovllm.worker.kv_cache import host_memory_available
 from tests.support import make_prompts
 
 TOKENS = 12
@@ -129,6 +130,15 @@ def test_the_trace_records_every_step_row_arrival_and_finish(tiny_llama, tmp_pat
 def test_bad_tier_settings_say_what_to_change(tiny_llama, options, says):
     with pytest.raises(ConfigError, match=says.replace("+", r"\+")):
         LLM(str(tiny_llama), device="cpu", **options)
+
+
+def test_a_host_tier_beyond_the_hosts_memory_says_what_to_lower(tiny_llama):
+    available = host_memory_available()
+    if available is None:
+        pytest.skip("no /proc/meminfo here")
+    with pytest.raises(ConfigError, match="lower swap_space or cpu_offload_gib"):
+        LLM(str(tiny_llama), device="cpu", swap_space=0.5 * available / 2**30,
+            cpu_offload_gib=0.5 * available / 2**30)
 
 
 def test_swap_and_offload_copy_the_right_bytes(tiny_llama, device):
