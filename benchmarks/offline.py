@@ -62,6 +62,20 @@ def engine_device_dtype(cfg: dict) -> tuple[str, torch.dtype]:
 # ---- the two engines, each in a child process ------------------------------------------------
 
 
+ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                    "num_sync_all_streams")
+
+
+def allocator_counts() -> dict[str, int]:
+    """The CUDA caching allocator's running counts of what makes the host wait: device
+    mallocs and frees (a cudaFree synchronizes the device), retries after a failed malloc
+    (which free the cache first). Empty off CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ALLOCATOR_COUNTS}
+
+
 def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int]) -> dict:
     from nanovllm import LLM, SamplingParams
 
@@ -76,9 +90,11 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     steps0 = engine.num_steps
     timing0 = dict(engine.timing)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    alloc0 = allocator_counts()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    alloc = {k: v - alloc0[k] for k, v in allocator_counts().items()}
     tokens = sum(len(o.token_ids) for o in outs)
     result = {
         "engine_options": opts,
@@ -96,6 +112,7 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         "steps": engine.num_steps - steps0,
         # host seconds per part of the step loop; "wait" is the host idle on the GPU
         "step_timing_s": {k: v - timing0.get(k, 0.0) for k, v in engine.timing.items()},
+        "allocator": alloc,  # during the timed run (allocator_counts)
     }
     # more timed runs in this process, optionally flipping overlap each time (an A/B on
     # one warm machine; the first run above stays the headline figure)

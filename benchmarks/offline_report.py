@@ -89,6 +89,9 @@ def print_table(
                 + ", ".join(f"{k} {v:.2f} s" for k, v in st.items())
                 + f" (wait = host idle on the GPU; steps {ours['steps']})"
             )
+        if ours.get("allocator"):  # each cudaFree or retry is a device synchronize
+            notes.append("nano-vLLM CUDA allocator during the run: " + ", ".join(
+                f"{k.removeprefix('num_')} {v}" for k, v in ours["allocator"].items()))
         for i, rep in enumerate(ours.get("repeats") or [], start=2):
             notes.append(
                 f"nano-vLLM run {i} (overlap {'on' if rep['overlap'] else 'off'}): "
