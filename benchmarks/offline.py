@@ -21,6 +21,8 @@ report is offline_report.py's.
 """
 
 import argparse
+import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -76,6 +79,26 @@ def allocator_counts() -> dict[str, int]:
     return {k: stats.get(k, 0) for k in ALLOCATOR_COUNTS}
 
 
+@contextlib.contextmanager
+def sync_watch(on: bool):
+    """With `on` and a GPU: torch's sync debug mode for the block, yielding a Counter of
+    the Python lines (and messages) where an operation made the host wait for the GPU; an
+    empty Counter otherwise. Only a diagnostic: the checks slow the run."""
+    found: collections.Counter = collections.Counter()
+    if not (on and torch.cuda.is_available()):
+        yield found
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        found[f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:80]}"] += 1
+
+
 def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int]) -> dict:
     from nanovllm import LLM, SamplingParams
 
@@ -92,7 +115,8 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     alloc0 = allocator_counts()
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    with sync_watch(args.sync_debug) as syncs:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     alloc = {k: v - alloc0[k] for k, v in allocator_counts().items()}
     tokens = sum(len(o.token_ids) for o in outs)
@@ -113,6 +137,7 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         # host seconds per part of the step loop; "wait" is the host idle on the GPU
         "step_timing_s": {k: v - timing0.get(k, 0.0) for k, v in engine.timing.items()},
         "allocator": alloc,  # during the timed run (allocator_counts)
+        "syncs": dict(syncs.most_common(12)),  # --sync-debug
     }
     # more timed runs in this process, optionally flipping overlap each time (an A/B on
     # one warm machine; the first run above stays the headline figure)
@@ -256,6 +281,9 @@ def main() -> None:
     ap.add_argument("--fp8-attention", choices=["off", "q", "qp"], default=None,
                     help="with --kv-cache-dtype fp8: decode on the fp8 tensor cores "
                     "(default: the engine's, off)")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="a diagnostic run: list the lines where the first timed run made the "
+                    "host wait for the GPU (torch's sync debug mode; slower)")
     ap.add_argument("--out", help="write every figure to this JSON file")
     ap.add_argument(
         "--quick",

@@ -92,6 +92,8 @@ def print_table(
         if ours.get("allocator"):  # each cudaFree or retry is a device synchronize
             notes.append("nano-vLLM CUDA allocator during the run: " + ", ".join(
                 f"{k.removeprefix('num_')} {v}" for k, v in ours["allocator"].items()))
+        for where, n in (ours.get("syncs") or {}).items():  # --sync-debug
+            notes.append(f"nano-vLLM host waited on the GPU {n}x at {where}")
         for i, rep in enumerate(ours.get("repeats") or [], start=2):
             notes.append(
                 f"nano-vLLM run {i} (overlap {'on' if rep['overlap'] else 'off'}): "

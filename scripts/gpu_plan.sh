@@ -21,13 +21,16 @@
 #                                     # decode step's profile
 #   bash scripts/gpu_plan.sh fp8prefill # the fp8 cache's prefill tiles, the engine's and
 #                                     # fp8_attention's (benchmarks/attention.py --prefill --fp8)
+#   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
+#                                     # sync debug mode) and the CUDA allocator's mallocs,
+#                                     # frees and retries, bf16 and fp8 caches
 #   bash scripts/gpu_plan.sh swap     # the host tier's copies (GPU tests), then issue 13's
 #                                     # priority burst on the 8B shape, twice, alternating
 #                                     # recompute / swap / auto / auto waiting for its copies,
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -123,6 +126,11 @@ case "$stage" in
     # fp8_attention's (128 positions a tile; they spill registers at 128 rows, sm90_ptx)
     timeout 500 python3 -m benchmarks.attention --prefill --fp8 2>&1 \
       | tee "$OUT/fp8_prefill_tiles.log" | tail -100 ;;
+  syncs)
+    for dtype in auto fp8; do
+      timeout 120 python3 -m benchmarks.offline --no-peer --sync-debug --kv-cache-dtype $dtype \
+        2>&1 | grep -E "^nano-vLLM" | tee -a "$OUT/syncs.log"
+    done ;;
   swap)
     timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/worker/test_host_pool.py \
       tests/engine/test_host_tier.py 2>&1 | tee "$OUT/swap_tests.log" | tail -3
@@ -130,6 +138,6 @@ case "$stage" in
     timeout 520 python3 -m benchmarks.kv_tiers --shape 8b --only priority --repeat 2 \
       --out "$OUT/swap.json" 2>&1 | grep -v " INFO " | tee "$OUT/swap.log" | tail -16 ;;
   *)
-    echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill or swap" >&2
+    echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, syncs or swap" >&2
     exit 2 ;;
 esac
