@@ -45,7 +45,8 @@ class EngineConfig:
     admission_headroom: int = 8
     # KV beyond the device (docs/architecture.md, "KV tiers"): GiB of host memory for the
     # blocks of preempted sequences (swap_space) and for cached prefixes evicted from the
-    # device (cpu_offload_gib). None: 4 GiB of swap on a GPU, none on a CPU.
+    # device (cpu_offload_gib). None: 4 GiB of swap on a GPU (at most a quarter of the
+    # host's available memory), none on a CPU.
     swap_space: float | None = None
     cpu_offload_gib: float = 0.0
     # how a preempted sequence keeps its work: auto (swap when copying its blocks out and

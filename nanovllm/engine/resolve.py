@@ -16,11 +16,12 @@ from nanovllm.core.config import EngineConfig, ResolvedConfig
 from nanovllm.core.errors import ConfigError
 from nanovllm.model.config import ModelConfig
 from nanovllm.model.parallel import check_shardable
+from nanovllm.worker.kv_cache import host_memory_available
 
 log = logging.getLogger("nanovllm")
 
 GPU_ADMISSION_BATCH = 16  # with CUDA graphs, see EngineConfig.admission_batch
-GPU_SWAP_GIB = 4.0  # EngineConfig.swap_space on a GPU
+GPU_SWAP_GIB = 4.0  # EngineConfig.swap_space on a GPU (at most a quarter of the host's memory)
 BLOCK_SIZE = 16  # EngineConfig.block_size, but:
 FP8_BLOCK_SIZE = 128  # an fp8 cache the Triton kernels read (BENCHMARKS.md, issue 11 item 2)
 
@@ -71,7 +72,8 @@ def resolve_config(
         num_threads=_threads(config, device),
         weight_format=_weight_format(config.weight_format, device, quantized_file),
         admission_headroom=config.admission_headroom,
-        swap_space=(GPU_SWAP_GIB if cuda and config.enable_prefix_caching else 0.0)
+        swap_space=(default_swap_gib(host_memory_available())
+                    if cuda and config.enable_prefix_caching else 0.0)
         if config.swap_space is None else config.swap_space,
         cpu_offload_gib=config.cpu_offload_gib,
         preemption_mode=config.preemption_mode,
@@ -275,3 +277,11 @@ def _threads(config: EngineConfig, device: str) -> int | None:
     if config.num_threads is not None or device != "cpu" or config.tensor_parallel_size == 1:
         return config.num_threads
     return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+
+
+def default_swap_gib(available: int | None) -> float:
+    """swap_space on a GPU when none is given: GPU_SWAP_GIB, or a quarter of the host's
+    available memory where that is less (a small host keeps room for everything else)."""
+    if available is None:
+        return GPU_SWAP_GIB
+    return min(GPU_SWAP_GIB, available / 4 / 2**30)

@@ -9,6 +9,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.core.errors import ConfigError
 from nanovllm.core.trace import read_trace
+from nanovllm.engine.resolve import GPU_SWAP_GIB, default_swap_gib
 from nanovllm.worker.kv_cache import host_memory_available
 from tests.support import make_prompts
 
@@ -139,6 +140,13 @@ def test_a_host_tier_beyond_the_hosts_memory_says_what_to_lower(tiny_llama):
     with pytest.raises(ConfigError, match="lower swap_space or cpu_offload_gib"):
         LLM(str(tiny_llama), device="cpu", swap_space=0.5 * available / 2**30,
             cpu_offload_gib=0.5 * available / 2**30)
+
+
+def test_the_default_swap_space_leaves_a_small_host_room():
+    gib = 2**30
+    assert default_swap_gib(64 * gib) == GPU_SWAP_GIB == 4.0
+    assert default_swap_gib(8 * gib) == 2.0  # a quarter of what the host has available
+    assert default_swap_gib(None) == GPU_SWAP_GIB  # no /proc/meminfo
 
 
 def test_swap_and_offload_copy_the_right_bytes(tiny_llama, device):

@@ -105,7 +105,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "running sequence fit in the free KV blocks (0: whenever its first chunk fits)")
     opt("swap_space", type=float, metavar="GIB",
         help="host memory for the KV blocks of preempted sequences, copied back when they "
-        "resume (default: 4 on a GPU, 0 on the CPU)")
+        "resume (default: 4 on a GPU, at most a quarter of the host's available memory; 0 "
+        "on the CPU)")
     opt("cpu_offload_gib", type=float, metavar="GIB",
         help="host memory for cached prefixes evicted from the KV cache, copied back on a hit")
     opt("preemption_mode", choices=["auto", "swap", "recompute"],
