@@ -300,8 +300,11 @@ def registers(nbytes: int) -> bool:
 
 
 def _unregister(ptr: int) -> None:
-    torch.cuda.synchronize()  # no copy may still be reading or writing the memory
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    try:
+        torch.cuda.synchronize()  # no copy may still be reading or writing the memory
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - at exit CUDA may be gone, and the memory with it
+        pass
 
 
 def measure_preemption_cost(cache: KVCache, model: ModelConfig, max_tokens: int,
