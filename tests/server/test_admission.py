@@ -30,9 +30,9 @@ STRICT_SEQS, STRICT_WAITING = 2, 2
 
 @pytest.fixture(scope="module")
 def strict_server(tmp_path_factory):
-    """Its own server (an API key, a tiny waiting queue)."""
+    """Its own server (an API key, a tiny waiting queue, no per-request log lines)."""
     flags = (
-        f"--api-key {API_KEY} --protect-metrics --max-model-len 256 "
+        f"--api-key {API_KEY} --protect-metrics --no-log-requests --max-model-len 256 "
         f"--max-num-seqs {STRICT_SEQS} --max-num-waiting {STRICT_WAITING} --kv-cache-gib 0.1"
     )
     srv = start_server(tmp_path_factory, "strict", *flags.split())
@@ -161,3 +161,14 @@ def test_priority_orders_waiting_and_preempts(strict_server, model):
     assert order.index("low") >= 2, f"finish order {order}: priority 9 should wait for a row"
     preemptions = metric(after, "nanovllm:num_preemptions")
     assert preemptions > metric(before, "nanovllm:num_preemptions"), "no preemption counted"
+
+
+def test_no_log_requests_leaves_finished_requests_out_of_the_log(strict_server, model):
+    # the default server logs a line per finished request (test_engine_death reads them)
+    ok = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": model, "prompt": "Hi", "max_tokens": 2}
+    resp = httpx.post(strict_server.url + "/v1/completions", json=body, headers=ok, timeout=60)
+    assert resp.status_code == 200, resp.text
+    log = strict_server.log_path.read_text()
+    assert "Uvicorn running" in log or "nanovllm" in log  # the log is the server's
+    assert not [line for line in log.splitlines() if "TTFT" in line], log[-2000:]

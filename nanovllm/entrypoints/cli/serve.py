@@ -31,6 +31,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "/health, for a Prometheus scraper)",
     )
     g.add_argument(
+        "--log-requests", action=argparse.BooleanOptionalAction, default=True,
+        help="log a line per finished request: its tokens, TTFT, total time and finish "
+        "reason (default); --no-log-requests keeps a busy server's log to start-up, errors "
+        "and the engine's periodic lines",
+    )
+    g.add_argument(
         "--served-model-name", metavar="NAME", default=None,
         help="the model name clients send (default: the model directory's or file's name)",
     )
@@ -83,6 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = ServerSettings(
         args.host, args.port, args.api_key, args.served_model_name, args.max_request_bytes,
         args.protect_metrics, args.data_parallel_size, args.api_server_count,
+        args.log_requests,
     )
     try:
         return run_server(engine, server)

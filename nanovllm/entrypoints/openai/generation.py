@@ -148,6 +148,8 @@ class Generation:
             self._log(sub)
 
     def _log(self, sub: _Sub) -> None:
+        if not self.server.config.log_requests:
+            return
         mine = self.choices[sub.prompt_index * self.n : (sub.prompt_index + 1) * self.n]
         reasons = ",".join(sorted({c.finish_reason or "abort" for c in mine}))
         ttft = f"{sub.first_token_time - self.arrival:.3f}s" if sub.first_token_time else "-"

@@ -40,6 +40,7 @@ class ServerSettings:
     protect_metrics: bool = False  # /metrics needs the API key too
     data_parallel_size: int = 1  # engine processes behind this front end (replicas.py)
     api_server_count: int = 1  # front-end processes sharing the port (see run_server)
+    log_requests: bool = True  # a line per finished request
 
 
 def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
@@ -109,6 +110,7 @@ def server_config(server: ServerSettings, engine: EngineProcessConfig, client) -
         max_request_bytes=server.max_request_bytes,
         max_n=min(MAX_N, client.info.max_num_seqs),
         protect_metrics=server.protect_metrics,
+        log_requests=server.log_requests,
     )
 
 

@@ -53,6 +53,7 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     max_n: int = MAX_N
     protect_metrics: bool = False  # /metrics needs the API key too
+    log_requests: bool = True  # a line per finished request (--no-log-requests)
 
 
 class Server:
