@@ -42,7 +42,8 @@ import torch
 from benchmarks.random_model import build_random_model
 from nanovllm import SamplingParams
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.worker.kv_cache import HostKVPool, KVFormat, kv_bytes_per_token
+from nanovllm.worker.host_pool import HostKVPool
+from nanovllm.worker.kv_cache import KVFormat, kv_bytes_per_token
 
 HERE = Path(__file__).resolve().parent
 QWEN3_8B = {  # Qwen3-8B's config.json, the fields a decoder reads

@@ -16,7 +16,7 @@ class HostTier:
     - cached: blocks that left the device prefix cache, or that a resumed sequence let go,
       kept least recently used first in `free` and findable by hash until their slot is
       reused.
-    Only bookkeeping: the runner copies the bytes (worker/kv_cache.py, HostKVPool) in the
+    Only bookkeeping: the runner copies the bytes (worker/host_pool.py, HostKVPool) in the
     order the BlockManager hands out with each step.
     """
 
@@ -101,7 +101,7 @@ class HostTier:
 @dataclass(frozen=True)
 class PreemptionCost:
     """What preempting a sequence costs each way, from rates the runner measured at start-up
-    (worker/kv_cache.py, measure_preemption_cost): swapping copies its full blocks out and
+    (worker/host_pool.py, measure_preemption_cost): swapping copies its full blocks out and
     back in; recomputing runs its tokens through the model again, a prefill whose
     attention grows with the square of its length."""
 

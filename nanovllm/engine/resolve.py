@@ -16,7 +16,7 @@ from nanovllm.core.config import EngineConfig, ResolvedConfig
 from nanovllm.core.errors import ConfigError
 from nanovllm.model.config import ModelConfig
 from nanovllm.model.parallel import check_shardable
-from nanovllm.worker.kv_cache import host_memory_available
+from nanovllm.worker.host_pool import host_memory_available
 
 log = logging.getLogger("nanovllm")
 

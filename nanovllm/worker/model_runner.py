@@ -26,15 +26,9 @@ from nanovllm.model.loader.weights import load_weights
 from nanovllm.model.models.registry import build_model
 from nanovllm.model.parallel import SINGLE, TensorParallel
 from nanovllm.worker.cpu_threads import CpuThreads
+from nanovllm.worker.host_pool import HostKVPool, measure_preemption_cost, plan_num_host_blocks
 from nanovllm.worker.inputs import InputBuffers, StepInputs, buffer_rows
-from nanovllm.worker.kv_cache import (
-    HostKVPool,
-    KVCache,
-    KVFormat,
-    measure_preemption_cost,
-    plan_num_blocks,
-    plan_num_host_blocks,
-)
+from nanovllm.worker.kv_cache import KVCache, KVFormat, plan_num_blocks
 from nanovllm.worker.sampling import StepSampler, logprob_dicts
 from nanovllm.worker.warmup import profile_activation_bytes, warm_up_kernels
 

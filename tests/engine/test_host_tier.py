@@ -10,7 +10,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.core.errors import ConfigError
 from nanovllm.core.trace import read_trace
 from nanovllm.engine.resolve import GPU_SWAP_GIB, default_swap_gib
-from nanovllm.worker.kv_cache import host_memory_available
+from nanovllm.worker.host_pool import host_memory_available
 from tests.support import make_prompts
 
 TOKENS = 12

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanovllm.worker.kv_cache import HostKVPool, page_locked, registers
+from nanovllm.worker.host_pool import HostKVPool, page_locked, registers
 
 # [2 (K, V), layers, blocks, block_size, kv_heads, head_dim]: 2 MiB a block on purpose, so
 # that on a GPU a host copy takes long enough for a missing wait to show

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from nanovllm.worker.kv_cache import HostKVPool
+from nanovllm.worker.host_pool import HostKVPool
 from tests.core.scheduler_harness import EOS, FakeEngine, make_scheduler
 
 
