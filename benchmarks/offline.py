@@ -21,8 +21,6 @@ report is offline_report.py's.
 """
 
 import argparse
-import collections
-import contextlib
 import dataclasses
 import json
 import os
@@ -30,11 +28,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
+from benchmarks.host_waits import allocator_counts, sync_watch
 from benchmarks.offline_report import print_table
 from benchmarks.random_model import QWEN3_RANDOM_DIR, build_random_model
 from benchmarks.speed_of_light import ModelShape, measure_device, sol_times, workload_cost
@@ -63,40 +61,6 @@ def engine_device_dtype(cfg: dict) -> tuple[str, torch.dtype]:
 
 
 # ---- the two engines, each in a child process ------------------------------------------------
-
-
-ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries",
-                    "num_sync_all_streams")
-
-
-def allocator_counts() -> dict[str, int]:
-    """The CUDA caching allocator's running counts of what makes the host wait: device
-    mallocs and frees (a cudaFree synchronizes the device), retries after a failed malloc
-    (which free the cache first). Empty off CUDA."""
-    if not torch.cuda.is_available():
-        return {}
-    stats = torch.cuda.memory_stats()
-    return {k: stats.get(k, 0) for k in ALLOCATOR_COUNTS}
-
-
-@contextlib.contextmanager
-def sync_watch(on: bool):
-    """With `on` and a GPU: torch's sync debug mode for the block, yielding a Counter of
-    the Python lines (and messages) where an operation made the host wait for the GPU; an
-    empty Counter otherwise. Only a diagnostic: the checks slow the run."""
-    found: collections.Counter = collections.Counter()
-    if not (on and torch.cuda.is_available()):
-        yield found
-        return
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield found
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    for w in caught:
-        found[f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:80]}"] += 1
 
 
 def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: list[int]) -> dict:
