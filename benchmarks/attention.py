@@ -9,6 +9,8 @@
                                               # (with --fp8: over the engine's fp8 cache)
     python -m benchmarks.attention --fp8-decode  # the experimental fp8 decode (wgmma e4m3)
                                                  # against the engine's, bf16 for scale
+    python -m benchmarks.attention --fp8-registers  # the engine's fp8 decode under register
+                                                    # caps (programs an SM), bf16 for scale
 
 Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf16).
 Times are `triton.testing.do_bench` medians (L2 flushed before each run); "graph" is the
@@ -413,6 +415,35 @@ def fp8_decode_table(table: Table) -> None:
             del batch
 
 
+def fp8_register_table(table: Table) -> None:
+    """The engine's fp8 decode at tiles and register caps (TileConfig.max_registers: at
+    <= 128 registers a thread, 4 programs of 4 warps fit an SM's 64k registers, at the
+    default ~147 only 3), on the seed's decode contexts and ragged ones, blocks of 128 (an
+    fp8 cache's on a GPU), CUDA-graph times; the bf16 cache's decode (blocks of 16, its
+    engine's) for scale."""
+    from nanovllm.kernels import triton_attention as tb
+
+    configs = [(block_n, warps, stages, regs)
+               for block_n, warps, stages in ((128, 4, 3), (128, 4, 2), (128, 8, 3), (64, 4, 3))
+               for regs in (None, 128, 96)]
+    for name, rows in (("decode seed contexts", seed_decode_rows(256)),
+                       ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000)),
+                       ("decode B=64 seed contexts", seed_decode_rows(64))):
+        if batch := make_batch(table, f"{name} bf16", rows, 16):
+            run_triton(table, f"{name} bf16", "engine (bs=16)", batch, graph=True)
+        del batch
+        case = f"{name} bs=128 fp8-token"
+        if not (batch := make_batch(table, case, rows, 128, "fp8-token")):
+            continue
+        run_triton(table, case, f"engine {tb.default_decode_config(D, DTYPE, fp8=True)}",
+                   batch, graph=True)
+        for block_n, warps, stages, regs in configs:
+            cfg = tb.TileConfig(16, block_n, warps, stages, max_registers=regs)
+            run_triton(table, case, f"n{block_n} w{warps} s{stages} regs {regs or '-'}",
+                       batch, graph=True, decode_config=cfg)
+        del batch
+
+
 def seed_decode_rows(num_rows: int, seed: int = 0) -> list[tuple[int, int]]:
     """Decode rows as the seed workload (bench.py) has them midway: prompts of 100-1,024
     tokens, outputs of 100-1,024, each row some way through its output."""
@@ -485,6 +516,8 @@ def main() -> int:
                         help="only decode over ragged contexts against the copy bandwidth")
     parser.add_argument("--fp8-decode", action="store_true",
                         help="only the experimental fp8 decode against the engine's")
+    parser.add_argument("--fp8-registers", action="store_true",
+                        help="only the engine's fp8 decode under register caps")
     parser.add_argument("--prefill", action="store_true",
                         help="only the prefill tile sweep (a seed prefill step, 8 x 512)")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[256],
@@ -507,6 +540,7 @@ def main() -> int:
     parts = ((decode_split_sweep,) if args.splits else (fp8,) if args.fp8
              else (ragged_table,) if args.ragged else (prefill_sweep,) if args.prefill
              else (fp8_decode_table,) if args.fp8_decode
+             else (fp8_register_table,) if args.fp8_registers
              else (main_table, None if args.quick else sweeps))
     for part in parts:
         if part is None:

@@ -86,6 +86,7 @@ MAX_SPLITS = 64
 LONGEST_FIRST = True
 PREFILL_BLOCK_N, PREFILL_STAGES = 32, 3  # a bf16 cache's prefill tiles (default_prefill_config)
 FP8_PREFILL_STAGES = 3  # an fp8 cache's (64 x 64 tiles at 4 warps)
+FP8_DECODE_REGISTERS = 128  # an fp8 cache's decode: 4 programs of 4 warps an SM
 # fp8_attention's tiles, prefill and decode: its numerics round P against each tile's running
 # maximum, so both kernels and torch_attention.fp8_decode_reference share the tile
 FP8_MMA_TILE = 128
@@ -99,6 +100,9 @@ class TileConfig:
     block_n: int  # KV positions per tile; any multiple or fraction of the cache block size
     num_warps: int = 4
     num_stages: int = 2
+    # ptxas' register cap a thread (None: its own choice): fewer registers fit more programs
+    # on an SM; applied on a GPU only (the interpreter has no registers)
+    max_registers: int | None = None
 
 
 def default_prefill_config(
@@ -137,8 +141,14 @@ def default_decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
     within one block, hence the 128-token blocks of an fp8 cache, engine/resolve.py)."""
     if dtype == torch.float32:
         return TileConfig(block_m=16, block_n=32, num_warps=8, num_stages=2)
+    if head_dim <= 128 and fp8:
+        # ptxas gave it ~147 registers a thread, so 3 programs an SM; capped at 128 (a few
+        # bytes spilled), 4 fit: on the H200 the seed's decode contexts read 1.04x faster,
+        # ragged ones 1.06x (benchmarks/attention.py --fp8-registers)
+        return TileConfig(block_m=16, block_n=128, num_warps=4, num_stages=2,
+                          max_registers=FP8_DECODE_REGISTERS)
     if head_dim <= 128:  # bf16 d128: ~91 regs, 39 KB smem, so ~5 programs fit an SM
-        return TileConfig(block_m=16, block_n=128 if fp8 else 64, num_warps=4, num_stages=3)
+        return TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
     return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
 
 
@@ -743,6 +753,11 @@ def _block_n(cfg: TileConfig, k_cache: torch.Tensor, flags: dict) -> int:
     return min(cfg.block_n, k_cache.shape[1]) if flags["V_T"] else cfg.block_n
 
 
+def _register_cap(cfg: TileConfig, q: torch.Tensor) -> dict:
+    # the launch option of TileConfig.max_registers, for compiled kernels only
+    return {"maxnreg": cfg.max_registers} if cfg.max_registers and q.is_cuda else {}
+
+
 def _longest_first(meta: AttentionMetadata) -> torch.Tensor:
     """The rows by context length, longest first ([B] int32), sorted on the device once per
     step (every layer shares it; a CUDA graph replays the sort)."""
@@ -776,6 +791,7 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
         BLOCK_N=_block_n(cfg, k_cache, flags), WRITE_OUT=num_splits == 1,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, LONGEST_FIRST=order is not None, **flags,
+        **_register_cap(cfg, q),
     )
     reduce_splits(part_o, part_lse, out, qsl, num_rows, num_splits)
 
