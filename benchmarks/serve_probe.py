@@ -80,6 +80,8 @@ def engine_counters(base_url: str, headers: dict) -> dict[str, float] | None:
         key = keys.get(name)
         if name == "nanovllm:engine_loop_seconds_total":
             key = line.split('phase="', 1)[1].split('"', 1)[0]
+        if name == "nanovllm:engine_gc_seconds_total":
+            key = "gc " + line.split('generation="', 1)[1].split('"', 1)[0]
         if name == "nanovllm:generation_tokens_total" and 'replica="' in line:
             key = "tokens of replica " + line.split('replica="', 1)[1].split('"', 1)[0]
         if key is not None:
@@ -118,3 +120,8 @@ def report_steps(before, after, run: dict) -> None:
     if loop:
         run["engine_loop_s"] = loop
         print(f"       engine loop: {loop_line(loop, run['duration_s'])}")
+    gc_s = {k[3:]: v for k, v in delta.items() if k.startswith("gc ")}
+    if gc_s:  # pauses that stop the engine's thread, steps included
+        run["engine_gc_s"] = gc_s
+        print(f"       engine gc pauses: full {gc_s.get('2', 0.0):.3f} s, younger "
+              f"{gc_s.get('0', 0.0) + gc_s.get('1', 0.0):.3f} s")

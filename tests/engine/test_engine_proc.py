@@ -141,6 +141,37 @@ def test_abort_timeout_and_backpressure_free_every_block(engine):
     assert s.finished["abort"] >= 1 and s.finished["timeout"] == 1
 
 
+def test_gc_pauses_count_each_generations_collections():
+    """GcPauses adds a collection's pause to its generation's total, and stops at close."""
+    import gc
+
+    from nanovllm.engine.step_times import GcPauses
+
+    pauses = GcPauses()
+    try:
+        gc.collect(2)
+        gc.collect(0)
+        assert pauses.totals["2"] > 0 and pauses.totals["0"] > 0
+    finally:
+        pauses.close()
+    before = dict(pauses.totals)
+    gc.collect(2)
+    assert pauses.totals == before
+
+
+def test_outputs_cross_the_pipe_field_for_field():
+    """Outputs pickle by columns (a list per Delta field): every field of every Delta comes
+    back as it was, in order, whatever it holds (text, logprobs, a finish, nothing)."""
+    import pickle
+
+    deltas = [Delta(f"r{i}", i % 3, "é" * i, [i, 7], [{i: -0.5}] if i % 2 else None,
+                    "stop" if i == 4 else None, "\n" if i == 4 else None, i, 0.25 * i or None)
+              for i in range(6)]
+    for msg in (Outputs(deltas), Outputs(deltas[:1]), Outputs([])):
+        back = pickle.loads(pickle.dumps(msg))
+        assert back == msg and all(type(d) is Delta for d in back.deltas)
+
+
 def test_outbox_never_blocks_the_engine_and_merges_what_waits():
     """The front end stops reading: queuing outputs still returns at once, and what piles
     up arrives later merged per completion, in order, nothing lost."""

@@ -54,8 +54,8 @@ def test_prefix_cache_hits_grow_by_exactly_the_cached_tokens(server, model):
 def test_engine_loop_seconds_account_for_the_engine_process_time(server, model):
     """nanovllm:engine_loop_seconds{phase}: between two scrapes the phases add up to the
     time between them (the loop is always in one); idle, only idle and receive grow; a
-    request's steps show up as schedule, launch, wait, postprocess and send."""
-    phases = ("idle", "receive", "schedule", "launch", "wait", "postprocess", "send")
+    request's steps show up as schedule, launch, wait, postprocess, outputs and send."""
+    phases = ("idle", "receive", "schedule", "launch", "wait", "postprocess", "outputs", "send")
 
     def loop(samples):
         return {p: metric(samples, "nanovllm:engine_loop_seconds", phase=p) for p in phases}
@@ -71,15 +71,27 @@ def test_engine_loop_seconds_account_for_the_engine_process_time(server, model):
     grown = {p: b - a for (p, a), b in zip(loop(before).items(), loop(after).values())}
     assert inner_end - inner_start <= sum(grown.values()) <= end - start, grown
     assert grown["idle"] >= 0.9 * (inner_end - inner_start), grown
-    assert all(grown[p] == 0 for p in ("schedule", "launch", "wait", "postprocess")), grown
+    in_steps = ("schedule", "launch", "wait", "postprocess", "outputs")
+    assert all(grown[p] == 0 for p in in_steps), grown
 
     before = wait_idle(server)
     post(server, "/v1/completions", dict(model=model, prompt=_prompt(seed=4, n=40),
                                          max_tokens=8, temperature=0, ignore_eos=True))
     after = wait_idle(server)
     grown = {p: b - a for (p, a), b in zip(loop(before).items(), loop(after).values())}
-    assert all(grown[p] > 0 for p in ("schedule", "launch", "postprocess", "send")), grown
+    busy = ("schedule", "launch", "postprocess", "outputs", "send")
+    assert all(grown[p] > 0 for p in busy), grown
     assert _delta(after, before, "nanovllm:engine_steps") == 8
+
+
+def test_the_engine_process_freezes_its_start_up_and_counts_gc_pauses(server):
+    """The engine process left its start-up's objects out of the garbage collector's walks
+    (freeze_heap), and /metrics counts its collector's pauses per generation, the full
+    collection that freeze_heap runs first among them."""
+    samples = scrape(server)
+    assert metric(samples, "nanovllm:engine_gc_frozen_objects") > 10_000
+    pauses = {g: metric(samples, "nanovllm:engine_gc_seconds", generation=g) for g in "012"}
+    assert all(p >= 0 for p in pauses.values()) and pauses["2"] > 0, pauses
 
 
 def test_kv_cache_usage_while_a_stream_runs(server, client, model):

@@ -21,6 +21,7 @@ import tempfile
 import threading
 from multiprocessing.connection import wait
 
+from nanovllm.engine.engine_proc import freeze_heap
 from nanovllm.engine.messages import EngineProcessConfig
 
 log = logging.getLogger("nanovllm.server")
@@ -100,6 +101,7 @@ def run_front_end(engine: EngineProcessConfig, server, pipes: list, sock) -> Non
                     launch.server_config(server, engine, client))
     http = launch.http_server(app, server)
     died = launch.stop_when_engines_die(client, http)
+    freeze_heap()  # started: what is alive now stays (engine_proc.freeze_heap)
     try:
         http.run(sockets=[sock])
     finally:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from nanovllm.core.errors import ConfigError
 from nanovllm.engine import stack_sampler
+from nanovllm.engine.engine_proc import freeze_heap
 from nanovllm.engine.messages import EngineProcessConfig
 from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.entrypoints.openai.app import build_app
@@ -90,6 +91,7 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
         died = stop_when_engines_die(client, http)
         if front_ends:
             watch_front_ends(front_ends, http, died)
+        freeze_heap()  # started: what is alive now stays (engine_proc.freeze_heap)
         try:
             http.run(sockets=sockets)
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: a clean stop

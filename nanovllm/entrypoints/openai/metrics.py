@@ -25,6 +25,9 @@ _GAUGES = {
     "num_host_kv_blocks": ("nanovllm:num_host_kv_blocks", "Host-tier KV blocks in all."),
     "num_free_host_kv_blocks": ("nanovllm:num_free_host_kv_blocks",
                                 "Host-tier KV blocks not held by a swapped sequence."),
+    "gc_frozen_objects": ("nanovllm:engine_gc_frozen_objects",
+                          "Objects of the engine process's start-up that its garbage "
+                          "collector no longer walks."),
 }
 _COUNTERS = {  # prometheus_client appends _total
     "prefix_cache_queries": (
@@ -83,9 +86,13 @@ class _EngineCollector:
         yield _by_label(
             "nanovllm:engine_loop_seconds",
             "The engine process's wall time by phase: idle (no work), receive (messages "
-            "while working), schedule, launch, wait (for the device), postprocess, send "
-            "(outputs to the front ends).",
+            "while working), schedule, launch, wait (for the device), postprocess, outputs "
+            "(the step's outputs), send (to the front ends).",
             "phase", name, snaps, lambda s: s.loop_seconds)
+        yield _by_label(
+            "nanovllm:engine_gc_seconds",
+            "The engine process's garbage-collector pauses by generation (2: full).",
+            "generation", name, snaps, lambda s: s.gc_seconds)
 
 
 def _by_label(metric: str, doc: str, label: str, model: str, snaps, values):
