@@ -48,7 +48,7 @@ from nanovllm.engine.messages import (
     AbortRequest,
     Accepted,
     AddRequest,
-    Delta,
+    DeltaRow,
     EngineInfo,
     EngineProcessConfig,
     EngineStats,
@@ -63,7 +63,6 @@ from nanovllm.engine.messages import (
     StatsReply,
 )
 from nanovllm.engine.outbox import Outbox
-from nanovllm.engine.outputs import RequestOutput
 from nanovllm.engine.step_times import GcPauses, StepTimes
 
 log = logging.getLogger("nanovllm.engine")
@@ -201,13 +200,13 @@ class EngineLoop:
                 timeout = 0.0
             self._count(phase, start)
             self._expire()
-            outs = None
+            rows = done = None
             if engine.has_unfinished_requests():
-                outs = engine.step()
+                rows, done = engine.step_delta_rows()
                 self._load_due = True
             with self.times("send"):
-                if outs:
-                    self._send_outputs(outs)
+                if rows or done:
+                    self._send_outputs(rows, done)
                 if self._load_due:
                     self._maybe_send_load()
                 for outbox in outboxes:
@@ -317,42 +316,38 @@ class EngineLoop:
             if o.finish_reason == reason.value:
                 self.finished[reason.value] += 1
         if notify:
-            self._send_outputs([out])
+            self._send_outputs([(rid, o.index, o.text, o.token_ids, o.logprobs, o.finish_reason,
+                                 o.stop_reason, out.num_cached_tokens, out.queue_time)
+                                for o in out.outputs], [rid])
         self.origin.pop(rid, None)
 
     # ---- outputs ----------------------------------------------------------------------
 
-    def _send_outputs(self, outs: list[RequestOutput]) -> None:
-        """The engine's delta outputs (see LLMEngine.add_request) as Deltas, each to the
-        front end that sent its request."""
+    def _send_outputs(self, rows: list[DeltaRow], done: list[str]) -> None:
+        """Completions that moved (rows of Delta's fields, LLMEngine.step_delta_rows), each
+        to the front end that sent its request; `done`: the requests that finished."""
+        now = None
+        for row in rows:
+            reason = row[5]
+            if reason is not None:  # a completion ended
+                now = now or time.monotonic()
+                self._finish_times.append(now)
+                if reason in ("stop", "length"):
+                    self.finished[reason] += 1
+        for rid in done:
+            self.deadlines.pop(rid, None)
         if len(self.outboxes) == 1:
-            self._deltas_to(self.outboxes[0], outs)
+            if rows:
+                self.outboxes[0].put_deltas(rows)
             return
-        by_origin: dict[int, list[RequestOutput]] = {}
-        for out in outs:
-            origin = self.origin.get(out.request_id, 0)
-            if out.finished:
-                self.origin.pop(out.request_id, None)
-            by_origin.setdefault(origin, []).append(out)
-        for origin, group in by_origin.items():
-            self._deltas_to(self.outboxes[origin], group)
-
-    def _deltas_to(self, outbox: Outbox, outs: list[RequestOutput]) -> None:
-        deltas = []
-        for out in outs:
-            rid, cached, queued = out.request_id, out.num_cached_tokens, out.queue_time
-            for o in out.outputs:
-                reason = o.finish_reason
-                deltas.append(Delta(rid, o.index, o.text, o.token_ids, o.logprobs, reason,
-                                    o.stop_reason, cached, queued))
-                if reason is not None:
-                    self._finish_times.append(time.monotonic())
-                    if reason in ("stop", "length"):
-                        self.finished[reason] += 1
-            if out.finished:
-                self.deadlines.pop(rid, None)
-        if deltas:
-            outbox.put_deltas(deltas)
+        by_origin: dict[int, list[DeltaRow]] = {}
+        origin = self.origin
+        for row in rows:
+            by_origin.setdefault(origin.get(row[0], 0), []).append(row)
+        for rid in done:
+            origin.pop(rid, None)
+        for i, group in by_origin.items():
+            self.outboxes[i].put_deltas(group)
 
     # ---- stats and logs ---------------------------------------------------------------
 

@@ -5,6 +5,8 @@ import itertools
 import logging
 import time
 import weakref
+from collections.abc import Callable
+from typing import TypeVar
 
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.config import EngineConfig
@@ -14,6 +16,7 @@ from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import FinishReason, Sequence
 from nanovllm.core.trace import SchedulerTrace
 from nanovllm.core.validation import as_token_ids, check_prompt
+from nanovllm.engine.messages import DeltaRow
 from nanovllm.engine.output_processor import OutputProcessor, Request
 from nanovllm.engine.outputs import RequestOutput
 from nanovllm.engine.resolve import fit_kv_cache, resolve_config
@@ -23,6 +26,8 @@ from nanovllm.model.config import ModelConfig
 from nanovllm.model.loader.source import open_model
 from nanovllm.model.parallel import SINGLE
 from nanovllm.worker.model_runner import ModelRunner, StepHandle
+
+T = TypeVar("T")
 
 log = logging.getLogger("nanovllm")
 
@@ -212,6 +217,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the outputs of the requests that moved (see
         add_request). With overlap, outputs trail the device by one step."""
+        return self._step(self._outputs)
+
+    def step_delta_rows(self) -> tuple[list[DeltaRow], list[str]]:
+        """`step` for an engine whose requests were all added with `delta=True` (the
+        server's engine process): each completion that moved as a row of messages.Delta's
+        fields, and the ids of the requests that finished. No RequestOutput is built: a
+        streamed row's output costs the host under half as much."""
+        return self._step(self._delta_rows)
+
+    def _step(self, collect: Callable[[], T]) -> T:
         trace = self.trace
         start = trace.begin() if trace else 0.0
         with self.times("schedule"):
@@ -238,7 +253,7 @@ class LLMEngine:
             else:
                 self._resolve(handle)
         with self.times("outputs"):  # streamed requests: one output each step
-            outputs = self._outputs()
+            outputs = collect()
         if trace:
             trace.end(start)
         if self.kv_events:
@@ -274,7 +289,17 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
             if out is not None and out.finished:
-                del self.requests[req.request_id]
-                for seq in req.seqs:
-                    del self._owner[seq.seq_id]
+                self._forget(req)
         return outputs
+
+    def _delta_rows(self) -> tuple[list[DeltaRow], list[str]]:
+        rows, done = self.outputs.take_delta_rows()
+        for req in done:
+            self._forget(req)
+        return rows, [req.request_id for req in done]
+
+    def _forget(self, req: Request) -> None:
+        """A finished request, reported: the engine holds nothing of it any more."""
+        del self.requests[req.request_id]
+        for seq in req.seqs:
+            del self._owner[seq.seq_id]

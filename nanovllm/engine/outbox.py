@@ -4,7 +4,7 @@ import select
 from collections import deque
 from multiprocessing.connection import Connection
 
-from nanovllm.engine.messages import Delta, EngineMessage, Load, Outputs
+from nanovllm.engine.messages import Delta, DeltaRow, EngineMessage, Load, OutputRows, Outputs
 
 
 class Outbox:
@@ -37,13 +37,15 @@ class Outbox:
         self._replies.append(msg)
         self.flush()
 
-    def put_deltas(self, deltas: list[Delta]) -> None:
-        """Queue a step's Deltas, merged into any unsent ones of the same completion."""
+    def put_deltas(self, rows: list[DeltaRow]) -> None:
+        """Queue a step's Deltas (rows of their fields), merged into any unsent ones of the
+        same completion."""
         if not self.pending and self._poll.poll(0):
-            self.conn.send(Outputs(deltas))  # the usual case: nothing waits, room to write
+            self.conn.send(OutputRows(rows))  # the usual case: nothing waits, room to write
             return
         pending = self._deltas
-        for d in deltas:
+        for row in rows:
+            d = Delta(*row)
             key = (d.request_id, d.index)
             prev = pending.get(key)
             pending[key] = d if prev is None else prev.merge(d)

@@ -6,8 +6,9 @@ import dataclasses
 from collections.abc import Callable
 
 from nanovllm.core.sampling_params import SamplingParams
-from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
+from nanovllm.core.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.messages import DeltaRow
 from nanovllm.engine.outputs import CompletionOutput, RequestOutput
 from nanovllm.engine.tokenizer import Tokenizer
 
@@ -106,10 +107,26 @@ class OutputProcessor:
             taken.append((req, self.output(req, finished) if due else None))
         return taken
 
+    def take_delta_rows(self) -> tuple[list[DeltaRow], list[Request]]:
+        """`take` for delta requests (all of them: the server's engine process), without
+        RequestOutput objects: each completion that moved, as a row of messages.Delta's
+        fields, and the requests that finished."""
+        touched, self._touched = self._touched, {}
+        rows, done = [], []
+        for req in touched.values():
+            finished = req.finished
+            if not (req.stream or finished):
+                continue
+            self._moved(req, rows)
+            if finished:
+                done.append(req)
+        return rows, done
+
     def output(self, req: Request, finished: bool | None = None) -> RequestOutput:
         """The request's output now: whole, or only what is new for a delta request."""
-        if req.delta:
-            outs = self._delta_outputs(req)
+        if req.delta:  # from the rows the server sends
+            outs = [CompletionOutput(i, text, ids, reason, stop_reason, lps)
+                    for _, i, text, ids, lps, reason, stop_reason, _, _ in self._moved(req, [])]
         else:
             outs = []
             for i, seq in enumerate(req.seqs):
@@ -118,16 +135,10 @@ class OutputProcessor:
                 outs.append(CompletionOutput(
                     i, req.texts[i], seq.resolved_output_token_ids, reason, seq.stop_reason, lps,
                 ))  # fmt: skip
-        first = req.seqs[0]
-        queued = None
-        if first.first_scheduled_time is not None:
-            queued = first.first_scheduled_time - first.arrival_time
         if finished is None:
             finished = req.finished
-        return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-            first.num_cached_prefix_tokens, queued,
-        )
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
+                             *_cached_and_queued(req))
 
     # ---- text and stop strings ------------------------------------------------------
 
@@ -159,28 +170,42 @@ class OutputProcessor:
         skip = seq.sampling_params.skip_special_tokens
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)
 
-    def _delta_outputs(self, req: Request) -> list[CompletionOutput]:
-        """A delta request's completions that moved since its previous output, each with
-        only what is new (see LLMEngine.add_request)."""
-        outs = []
-        for i, seq in enumerate(req.seqs):
-            sent = req.sent[i]
+    def _moved(self, req: Request, rows: list[DeltaRow]) -> list[DeltaRow]:
+        """Appends to `rows` (and returns it) a delta request's completions that moved since
+        its previous output, each with only what is new (see LLMEngine.add_request), as rows
+        of messages.Delta's fields. Runs for every streamed row on every step: each
+        attribute is read once."""
+        rid, texts, holdback = req.request_id, req.texts, req.holdback
+        cached, queued = _cached_and_queued(req)
+        for i, (seq, sent) in enumerate(zip(req.seqs, req.sent)):
             if sent.done:
                 continue
-            finished = seq.is_finished
-            start, stop = seq.num_prompt_tokens + sent.tokens, seq.num_resolved_tokens
+            finished = seq.status is SequenceStatus.FINISHED
+            ids, prompt = seq.token_ids, seq.num_prompt_tokens
+            stop = len(ids)
+            if ids[stop - 1] == PLACEHOLDER:  # its token is still on the device
+                stop -= 1
+            start = prompt + sent.tokens
             if start == stop and not finished:
                 continue  # this completion did not move
-            text = req.texts[i]
-            end = len(text) if finished else max(sent.chars, len(text) - req.holdback)
+            text, chars = texts[i], sent.chars
+            end = len(text) if finished else max(chars, len(text) - holdback)
             lps = None
             if seq.sampling_params.logprobs is not None:
                 lps = seq.logprobs[sent.logprobs :]
                 sent.logprobs = len(seq.logprobs)
-            reason = seq.finish_reason.value if seq.finish_reason else None
-            new_ids = seq.token_ids[start:stop]
-            outs.append(
-                CompletionOutput(i, text[sent.chars : end], new_ids, reason, seq.stop_reason, lps)
-            )
-            sent.tokens, sent.chars, sent.done = stop - seq.num_prompt_tokens, end, finished
-        return outs
+            reason = seq.finish_reason
+            rows.append((rid, i, text[chars:end], ids[start:stop], lps,
+                         reason.value if reason else None, seq.stop_reason, cached, queued))
+            sent.tokens, sent.chars, sent.done = stop - prompt, end, finished
+        return rows
+
+
+def _cached_and_queued(req: Request) -> tuple[int, float | None]:
+    """A request's prompt tokens found in the prefix cache, and its seconds waiting before
+    it was first scheduled (None until then)."""
+    first = req.seqs[0]
+    queued = None
+    if first.first_scheduled_time is not None:
+        queued = first.first_scheduled_time - first.arrival_time
+    return first.num_cached_prefix_tokens, queued

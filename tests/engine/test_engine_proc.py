@@ -16,6 +16,7 @@ from nanovllm.engine.messages import (
     Delta,
     EngineProcessConfig,
     Load,
+    OutputRows,
     Outputs,
     Ready,
     Rejected,
@@ -160,16 +161,19 @@ def test_gc_pauses_count_each_generations_collections():
 
 
 def test_outputs_cross_the_pipe_field_for_field():
-    """Outputs pickle by columns (a list per Delta field): every field of every Delta comes
-    back as it was, in order, whatever it holds (text, logprobs, a finish, nothing)."""
+    """Outputs, and the engine's OutputRows (rows of Delta's fields), pickle by columns (a
+    list per field) and arrive as Outputs: every field of every Delta as it was, in order,
+    whatever it holds (text, logprobs, a finish, nothing)."""
     import pickle
 
-    deltas = [Delta(f"r{i}", i % 3, "é" * i, [i, 7], [{i: -0.5}] if i % 2 else None,
-                    "stop" if i == 4 else None, "\n" if i == 4 else None, i, 0.25 * i or None)
-              for i in range(6)]
-    for msg in (Outputs(deltas), Outputs(deltas[:1]), Outputs([])):
-        back = pickle.loads(pickle.dumps(msg))
-        assert back == msg and all(type(d) is Delta for d in back.deltas)
+    rows = [(f"r{i}", i % 3, "é" * i, [i, 7], [{i: -0.5}] if i % 2 else None,
+             "stop" if i == 4 else None, "\n" if i == 4 else None, i, 0.25 * i or None)
+            for i in range(6)]
+    for part in (rows, rows[:1], []):
+        expected = Outputs([Delta(*row) for row in part])
+        for msg in (expected, OutputRows(part)):
+            back = pickle.loads(pickle.dumps(msg))
+            assert back == expected and all(type(d) is Delta for d in back.deltas)
 
 
 def test_outbox_never_blocks_the_engine_and_merges_what_waits():
@@ -186,8 +190,8 @@ def test_outbox_never_blocks_the_engine_and_merges_what_waits():
         for step in range(500):
             last = step == 499
             outbox.put_deltas([
-                Delta("a", i, f"{piece}{step};", [step], None, "length" if last else None,
-                      None, 0, 0.5 if step == 0 else None)
+                ("a", i, f"{piece}{step};", [step], None, "length" if last else None,
+                 None, 0, 0.5 if step == 0 else None)
                 for i in range(2)
             ])
 

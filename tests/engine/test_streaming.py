@@ -67,3 +67,43 @@ def test_streamed_outputs_show_only_tokens_on_the_host(tiny_llama, extra):
         assert engine.scheduler.num_preemptions > 0
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_delta_rows_are_the_delta_outputs(tiny_llama, overlap):
+    """step_delta_rows (the server's engine process) reports exactly what step() reports
+    for the same delta requests, field for field, as rows of Delta's fields, and the ids of
+    requests as they finish: streamed and not, n = 2, logprobs, a stop string, no text."""
+    from nanovllm.engine.llm_engine import LLMEngine
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+    args = dict(n=2, temperature=0.8, seed=4, max_tokens=9, ignore_eos=True, logprobs=1)
+    kw = dict(device="cpu", block_size=4, max_num_seqs=3, overlap=overlap)
+
+    def run(rows: bool) -> tuple[list, list]:
+        engine = LLMEngine(str(tiny_llama), **kw)
+        stop = SamplingParams(**args, stop=["a", "e"])
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(**args), f"s{i}", stream=True, delta=True)
+            engine.add_request(p, stop, f"t{i}", stream=True, delta=True)
+            engine.add_request(p, SamplingParams(**args), f"f{i}", stream=False, delta=True,
+                               detokenize=i == 0)
+        steps, finished = [], []
+        while engine.has_unfinished_requests():
+            if rows:
+                got, done = engine.step_delta_rows()
+            else:
+                outs = engine.step()
+                got = [(out.request_id, o.index, o.text, o.token_ids, o.logprobs,
+                        o.finish_reason, o.stop_reason, out.num_cached_tokens)
+                       for out in outs for o in out.outputs]
+                done = [out.request_id for out in outs if out.finished]
+            steps.append([row[:8] for row in got])  # queue_time: a clock reading
+            finished.append(done)
+        assert not engine.requests and not engine._owner
+        return steps, finished
+
+    by_outputs, by_rows = run(False), run(True)
+    assert by_rows == by_outputs
+    assert sum(len(d) for d in by_rows[1]) == 9
+    assert any(row[6] is not None for step in by_rows[0] for row in step)  # a stop string
