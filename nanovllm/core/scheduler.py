@@ -267,9 +267,10 @@ class Scheduler:
         scheduled: list[Sequence] = []
         preempted = False
         # decoders first, so prefill work can never take their token
-        order = [s for s in self.running if not s.in_prefill]
-        order += [s for s in self.running if s.in_prefill]
-        for seq in order:
+        decoding, prefilling = [], []
+        for s in self.running:
+            (prefilling if s.in_prefill else decoding).append(s)
+        for seq in decoding + prefilling:
             if seq.status != SequenceStatus.RUNNING or self._will_stop_by_length(seq):
                 continue  # preempted earlier in this loop, or ending with its last token
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -423,9 +424,9 @@ class Scheduler:
 
     def _will_stop_by_length(self, seq: Sequence) -> bool:
         # a placeholder that will end the sequence needs no further step
-        max_tokens = seq.sampling_params.max_tokens
-        return seq.num_tokens >= self.max_model_len or (
-            max_tokens is not None and seq.num_output_tokens >= max_tokens
+        max_tokens, n = seq.sampling_params.max_tokens, seq.num_tokens
+        return n >= self.max_model_len or (
+            max_tokens is not None and n - seq.num_prompt_tokens >= max_tokens
         )
 
     def _check_stop(self, seq: Sequence, token_id: int):
