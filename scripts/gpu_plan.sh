@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The measurements still open for issues 11 and 12, in stages that each fit one device call
-# (10 minutes; SERVE_FLAGS, PROMPTS, CLIENT_PROCS and SERVE_S narrow the serve stage). Run
+# (10 minutes; SERVE_FLAGS, PROMPTS, CLIENT_PROCS, RATES, OFFLINE_RUNS and SERVE_S shape the
+# serve stage: more runs of each side tell a few percent from a host's noise). Run
 # from the repository root (carry `.whl`: it holds the server's wheels, see gpu_serve.sh),
 # one stage per call; tp and dp need `nvidia-h200-x2`, the others one GPU:
 #   bash scripts/gpu_plan.sh tests    # every GPU test, two-GPU tensor parallelism included
@@ -61,8 +62,8 @@ case "$stage" in
       --out "$OUT/tp.json" 2>&1 | grep -v " INFO " | tee "$OUT/tp.log" | tail -12 ;;
   serve)
     MODEL=$(model)
-    # SERVE_FLAGS (comma-separated flag sets, "none" for the defaults), PROMPTS and
-    # CLIENT_PROCS narrow or change the runs
+    # SERVE_FLAGS (comma-separated flag sets, "none" for the defaults), PROMPTS,
+    # CLIENT_PROCS, RATES (e.g. inf,inf,inf,inf) and OFFLINE_RUNS narrow or change the runs
     IFS=, read -ra sets <<< "${SERVE_FLAGS:---api-server-count 1,none,--mixed-graphs}"
     for extra in "${sets[@]}"; do  # none: the defaults, 2 front ends on a GPU
       [ "$extra" = none ] && extra=""
@@ -70,10 +71,12 @@ case "$stage" in
       echo "== nanovllm serve $extra"
       timeout "${SERVE_S:-170}" python3 -m benchmarks.serve \
         --launch "--model $MODEL --max-num-seqs 256 --max-model-len 4096 --max-num-waiting 4096 $extra" \
-        --rates inf,inf --num-prompts "${PROMPTS:-256}" --input-len 512 --output-len 256 \
-        --range-ratio 0.5 --client-procs "${CLIENT_PROCS:-4}" --offline --offline-runs 2 \
+        --rates "${RATES:-inf,inf}" --num-prompts "${PROMPTS:-256}" --input-len 512 \
+        --output-len 256 --range-ratio 0.5 --client-procs "${CLIENT_PROCS:-4}" --offline \
+        --offline-runs "${OFFLINE_RUNS:-2}" \
         --out "$OUT/$name.json" 2>&1 \
-        | grep -E "server CPU|engine steps|engine loop|^ +inf|offline|best" | tee "$OUT/$name.log"
+        | grep -E "server CPU|engine steps|engine loop|gc pauses|^ +inf|offline|best" \
+        | tee "$OUT/$name.log"
     done ;;
   dp)
     MODEL=$(model)
