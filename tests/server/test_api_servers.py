@@ -1,18 +1,22 @@
-"""`nanovllm serve --api-server-count 2`: two front-end processes accept on one port, each
-with its own pipe to every engine process. Requests through either are answered (streamed
-or not, by the official client), abandoned streams free their blocks, /metrics sums both
-processes' latency histograms whichever answers the scrape, and when the engine dies every
-front end exits: the server with status 1, no process left behind."""
+"""`nanovllm serve --api-server-count 2`: two front-end processes accept on one port (a
+socket each on Linux), each with its own pipe to every engine process. Requests through
+either are answered (streamed or not, by the official client), abandoned streams free their
+blocks, /metrics sums both processes' latency histograms whichever answers the scrape, and
+when the engine dies every front end exits: the server with status 1, no process left
+behind."""
 
 import concurrent.futures
 import os
 import re
 import signal
+import socket
+import sys
 import time
 from pathlib import Path
 
 import openai
 
+from nanovllm.entrypoints.openai.front_ends import listening_sockets
 from tests.server.harness import ServerProcess, metric, scrape, wait_idle
 from tests.support import build_tiny_model
 
@@ -34,6 +38,42 @@ def two_front_ends(model: Path, tmp_path: Path, *args: str) -> tuple[ServerProce
     pids = [srv.proc.pid, *map(int, spawned)]
     assert len(pids) == 2, srv.log_tail()
     return srv, pids
+
+
+def test_each_front_end_listens_on_a_socket_of_its_own():
+    """On Linux each front end gets its own socket, all on one port with SO_REUSEPORT, and
+    the kernel spreads a burst of connections over them by address: none takes the whole
+    queue, as a process could from one shared socket. Elsewhere they share one socket."""
+    socks = listening_sockets("127.0.0.1", 0, 2)
+    clients = []
+    try:
+        if not sys.platform.startswith("linux"):
+            assert socks[0] is socks[1]
+            return
+        assert socks[0] is not socks[1]
+        port = socks[0].getsockname()[1]
+        assert socks[1].getsockname()[1] == port
+        assert all(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) for s in socks)
+        for s in socks:
+            s.listen(1024)
+            s.setblocking(False)
+        for _ in range(400):  # the kernel completes each handshake before any accept
+            clients.append(socket.create_connection(("127.0.0.1", port)))
+        counts = [0, 0]
+        for i, s in enumerate(socks):
+            while True:
+                try:
+                    conn, _ = s.accept()
+                except BlockingIOError:
+                    break
+                conn.close()
+                counts[i] += 1
+        assert sum(counts) == 400 and min(counts) >= 100, counts
+    finally:
+        for c in clients:
+            c.close()
+        for s in set(socks):
+            s.close()
 
 
 def test_two_front_ends_serve_two_replicas_and_share_metrics(tiny_llama, tmp_path):

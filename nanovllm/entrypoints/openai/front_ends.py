@@ -2,9 +2,9 @@
 
 One process streams every token of every request: HTTP, JSON, detokenizing, SSE. With
 several engine replicas that can be more than a core's worth. The first front end
-(launch.py) binds the socket and spawns front ends 1..N-1 here, each with its own pipe to
-every engine process (the engine loop serves them all, replying on the pipe a request came
-from), accepting on that socket (the kernel spreads connections over them). A front end
+(launch.py) binds the sockets (`listening_sockets`: one per front end on the same port, on
+Linux) and spawns front ends 1..N-1 here, each with its own pipe to every engine process (the
+engine loop serves them all, replying on the pipe a request came from). A front end
 that exits takes the server down: its pipes close, the engines stop, and every front end
 exits with status 1, as when an engine dies. Their latency histograms are shared through
 prometheus_client's multiprocess files (metrics.py), in a directory `nanovllm serve` makes
@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -30,14 +31,43 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # where prometheus_client's processe
 METRICS_DIR_PREFIX = "nanovllm-metrics-"  # the shared metrics' directory nanovllm serve makes
 
 
-def start_front_ends(engine: EngineProcessConfig, server, client, sock) -> list:
-    """Spawn front ends 1..N-1 (`server.api_server_count` in all) on `sock`, each with its
-    pipes to `client`'s engines; this process keeps none of theirs."""
+def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
+    """A bound socket for each of `n` front ends. On Linux each has its own, all on one port
+    with SO_REUSEPORT, and the kernel spreads new connections over them evenly (by address
+    hash). One shared socket, used elsewhere, lets whichever process wakes first take the
+    queue (asyncio accepts up to 100 connections a wakeup): in a test here 512 connections at
+    once split 127 / 385 over two processes, against 260 / 252 with SO_REUSEPORT."""
+    import uvicorn
+
+    if n == 1 or not (sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")):
+        return [uvicorn.Config(None, host=host, port=port).bind_socket()] * n
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn binds
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            port = sock.getsockname()[1]  # port 0: the others join the port it got
+            sock.set_inheritable(True)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+def start_front_ends(engine: EngineProcessConfig, server, client, socks: list) -> list:
+    """Spawn front ends 1..N-1 (`server.api_server_count` in all), front end k on
+    `socks[k - 1]`, each with its pipes to `client`'s engines; this process keeps none of
+    theirs."""
     ctx = multiprocessing.get_context("spawn")
     procs = []
     for k in range(1, server.api_server_count):
         proc = ctx.Process(target=run_front_end, name=f"nanovllm-front-end-{k}", daemon=False,
-                           args=(engine, server, client.front_end_pipes(k), sock))
+                           args=(engine, server, client.front_end_pipes(k), socks[k - 1]))
         proc.start()
         log.info("front end %d: process %d", k, proc.pid)
         procs.append(proc)

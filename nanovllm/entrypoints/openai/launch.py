@@ -16,6 +16,7 @@ from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.entrypoints.openai.app import build_app
 from nanovllm.entrypoints.openai.front_ends import (
     MULTIPROC_ENV,
+    listening_sockets,
     remove_metrics_dir,
     start_front_ends,
     stop_front_ends,
@@ -47,7 +48,6 @@ class ServerSettings:
 def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
     """Start the engine process, wait until it is ready, serve HTTP until stopped. Raises
     ConfigError, before loading anything, when host:port cannot be listened on."""
-    import uvicorn
 
     from nanovllm.model.loader.source import open_model
 
@@ -81,9 +81,10 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
             if server.api_server_count > 1 else "",
         )
         sockets = None
-        if server.api_server_count > 1:  # every front end accepts on the one socket
-            sockets = [uvicorn.Config(None, host=server.host, port=server.port).bind_socket()]
-            front_ends = start_front_ends(engine, server, client, sockets[0])
+        if server.api_server_count > 1:  # a socket each on Linux, else one shared
+            sockets = listening_sockets(server.host, server.port, server.api_server_count)
+            front_ends = start_front_ends(engine, server, client, sockets[1:])
+            sockets = sockets[:1]
         # NANOVLLM_SAMPLE_STACKS: where time goes (the report is rewritten as it runs:
         # uvicorn ends the process by re-raising SIGTERM, past any `finally`)
         stack_sampler.from_env(".front")
