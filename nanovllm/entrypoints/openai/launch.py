@@ -84,6 +84,9 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
         if server.api_server_count > 1:  # a socket each on Linux, else one shared
             sockets = listening_sockets(server.host, server.port, server.api_server_count)
             front_ends = start_front_ends(engine, server, client, sockets[1:])
+            for sock in sockets[1:]:  # each front end has its own copy: none left here that
+                if sock is not sockets[0]:  # queues connections no one accepts
+                    sock.close()
             sockets = sockets[:1]
         # NANOVLLM_SAMPLE_STACKS: where time goes (the report is rewritten as it runs:
         # uvicorn ends the process by re-raising SIGTERM, past any `finally`)
