@@ -1,7 +1,12 @@
 """Host time of one decode step's bookkeeping, without a model: scheduling, input
-preparation, sampling tensors, advance and resolve, for 256 rows with ~1,000-token contexts.
+preparation, the sampler's host side, advance and resolve, for 256 rows with ~1,000-token
+contexts.
 
-    python -m benchmarks.host_overhead [--rows 256] [--steps 200]
+    python -m benchmarks.host_overhead [--rows 256] [--steps 200] [--sampler torch]
+
+The sampler's host side is the GPU default's (`--sampler one-pass`: each row's temperature,
+which rides in the inputs' copy) or the torch sampler's (`torch`: sampling tensors built
+from every row's parameters and output lengths, as when a row uses penalties or top-k/p).
 
 On a GPU this work must stay below the GPU's step time for CPU/GPU overlap to hide it.
 """
@@ -29,6 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--sampler", choices=["one-pass", "torch"], default="one-pass")
     args = ap.parse_args()
     random.seed(0)
     asked = EngineConfig(max_num_seqs=512, max_num_batched_tokens=16384, block_size=16,
@@ -49,22 +55,29 @@ def main() -> None:
         sched.resolve(batch.sampling_seqs, [1] * len(batch.sampling_seqs))
     device = torch.device("cpu")
     buffers = InputBuffers(16384, 512, 4096 // 16, 16, device)  # as the engine keeps them
-    t = {"schedule": 0.0, "prepare_inputs": 0.0, "sampling_tensors": 0.0, "advance+resolve": 0.0}
+    t = {"schedule": 0.0, "prepare_inputs": 0.0, "sampler": 0.0, "advance+resolve": 0.0}
     for _ in range(args.steps):
         t0 = time.perf_counter()
         batch = sched.schedule()
         t1 = time.perf_counter()
-        buffers.prepare(batch)
-        t2 = time.perf_counter()
         rows = batch.sampling_seqs
-        # as StepSampler.sample does when no row uses penalties: lengths only
-        build_sampling_tensors([s.sampling_params for s in rows], [()] * len(rows),
-                               [range(s.num_output_tokens) for s in rows], set(), 151936, device)
+        temps = None
+        if args.sampler == "one-pass":  # as StepSampler.one_pass_temperatures
+            params = [s.sampling_params for s in rows]
+            temps = [p.temperature for p in params] if all(p.plain for p in params) else None
+        else:  # as StepSampler.sample when no row uses penalties
+            build_sampling_tensors([s.sampling_params for s in rows], [()] * len(rows),
+                                   [range(s.num_output_tokens) for s in rows], set(), 151936,
+                                   device)
+        t2 = time.perf_counter()
+        buffers.prepare(batch, temperatures=temps)
         t3 = time.perf_counter()
         sched.advance(batch)
         sched.resolve(rows, [7] * len(rows))
         t4 = time.perf_counter()
-        for k, dt in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+        parts = {"schedule": t1 - t0, "sampler": t2 - t1, "prepare_inputs": t3 - t2,
+                 "advance+resolve": t4 - t3}
+        for k, dt in parts.items():
             t[k] += dt
     total = sum(t.values())
     print(f"{args.rows} decode rows, {args.steps} steps: {total / args.steps * 1e3:.2f} ms/step")
