@@ -27,7 +27,7 @@ from nanovllm.core.sequence import Sequence
 from nanovllm.engine.resolve import fit_kv_cache, resolve_config
 from nanovllm.model.config import ModelConfig
 from nanovllm.worker.inputs import InputBuffers
-from nanovllm.worker.sampling import build_sampling_tensors
+from nanovllm.worker.sampling import build_sampling_tensors, plain_temperatures
 
 
 def main() -> None:
@@ -63,8 +63,7 @@ def main() -> None:
         rows = batch.sampling_seqs
         temps = None
         if args.sampler == "one-pass":  # as StepSampler.one_pass_temperatures
-            params = [s.sampling_params for s in rows]
-            temps = [p.temperature for p in params] if all(p.plain for p in params) else None
+            temps = plain_temperatures(rows)
         else:  # as StepSampler.sample when no row uses penalties
             build_sampling_tensors([s.sampling_params for s in rows], [()] * len(rows),
                                    [range(s.num_output_tokens) for s in rows], set(), 151936,

@@ -424,9 +424,9 @@ class Scheduler:
 
     def _will_stop_by_length(self, seq: Sequence) -> bool:
         # a placeholder that will end the sequence needs no further step
-        max_tokens, n = seq.sampling_params.max_tokens, seq.num_tokens
-        return n >= self.max_model_len or (
-            max_tokens is not None and n - seq.num_prompt_tokens >= max_tokens
+        max_tokens = seq.sampling_params.max_tokens
+        return seq.num_tokens >= self.max_model_len or (
+            max_tokens is not None and seq.num_output_tokens >= max_tokens
         )
 
     def _check_stop(self, seq: Sequence, token_id: int):

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable
 
 from nanovllm.core.sampling_params import SamplingParams
-from nanovllm.core.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
+from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.messages import DeltaRow
 from nanovllm.engine.outputs import CompletionOutput, RequestOutput
@@ -173,19 +173,15 @@ class OutputProcessor:
     def _moved(self, req: Request, rows: list[DeltaRow]) -> list[DeltaRow]:
         """Appends to `rows` (and returns it) a delta request's completions that moved since
         its previous output, each with only what is new (see LLMEngine.add_request), as rows
-        of messages.Delta's fields. Runs for every streamed row on every step: each
-        attribute is read once."""
+        of messages.Delta's fields. Runs for every streamed row on every step."""
         rid, texts, holdback = req.request_id, req.texts, req.holdback
         cached, queued = _cached_and_queued(req)
         for i, (seq, sent) in enumerate(zip(req.seqs, req.sent)):
             if sent.done:
                 continue
-            finished = seq.status is SequenceStatus.FINISHED
-            ids, prompt = seq.token_ids, seq.num_prompt_tokens
-            stop = len(ids)
-            if ids[stop - 1] == PLACEHOLDER:  # its token is still on the device
-                stop -= 1
-            start = prompt + sent.tokens
+            finished = seq.is_finished
+            prompt = seq.num_prompt_tokens
+            start, stop = prompt + sent.tokens, seq.num_resolved_tokens
             if start == stop and not finished:
                 continue  # this completion did not move
             text, chars = texts[i], sent.chars
@@ -195,7 +191,7 @@ class OutputProcessor:
                 lps = seq.logprobs[sent.logprobs :]
                 sent.logprobs = len(seq.logprobs)
             reason = seq.finish_reason
-            rows.append((rid, i, text[chars:end], ids[start:stop], lps,
+            rows.append((rid, i, text[chars:end], seq.token_ids[start:stop], lps,
                          reason.value if reason else None, seq.stop_reason, cached, queued))
             sent.tokens, sent.chars, sent.done = stop - prompt, end, finished
         return rows

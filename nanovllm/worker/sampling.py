@@ -20,6 +20,13 @@ from nanovllm.model.layers.sampler import (
 _SEED_MASK = 2**63 - 1  # any Python int seed maps into int64's non-negative range
 
 
+def plain_temperatures(seqs: list[Seq]) -> list[float] | None:
+    """The rows' temperatures if every row is greedy or plain temperature sampling (what
+    the one-pass kernel samples), else None."""
+    params = [s.sampling_params for s in seqs]
+    return [p.temperature for p in params] if all(p.plain for p in params) else None
+
+
 class StepSampler:
     """Samples one token per row of a step's logits on the device, with no host sync."""
 
@@ -35,10 +42,7 @@ class StepSampler:
         """The rows' temperatures when the one-pass kernel samples this batch (every row
         greedy or plain temperature: the common batch), else None. They ride in the step
         inputs' copy (worker/inputs.py): no sampling tensors to build."""
-        if self.one_pass is None:
-            return None
-        params = [s.sampling_params for s in seqs]
-        return [p.temperature for p in params] if all(p.plain for p in params) else None
+        return None if self.one_pass is None else plain_temperatures(seqs)
 
     def sample(
         self, logits: torch.Tensor, seqs: list[Seq], temperatures: torch.Tensor | None = None
