@@ -191,7 +191,7 @@ def _outputs_from_columns(*columns) -> Outputs:
 class Load:
     """The engine's queues and free KV blocks, what placement across data-parallel replicas
     weighs (entrypoints/openai/replicas.py). Sent to every front end after steps, at most
-    every LOAD_INTERVAL seconds (engine_proc.py) and whenever the engine goes idle."""
+    every LOAD_INTERVAL seconds (engine_loop.py) and whenever the engine goes idle."""
 
     num_waiting: int
     num_running: int

@@ -9,7 +9,7 @@ STEP_PHASES = ("schedule", "launch", "wait", "postprocess", "outputs")  # LLMEng
 class StepTimes:
     """Where step() spends its wall time, as running totals in seconds: host work
     (schedule, launch, postprocess) against waiting for the device (wait). The server's
-    engine loop keeps one of its own for the time between steps (engine_proc.py)."""
+    engine loop keeps one of its own for the time between steps (engine_loop.py)."""
 
     def __init__(self, phases: tuple[str, ...] = STEP_PHASES) -> None:
         self.totals = dict.fromkeys(phases, 0.0)
