@@ -76,6 +76,21 @@ def test_each_front_end_listens_on_a_socket_of_its_own():
             s.close()
 
 
+def test_a_port_taken_before_the_front_ends_bind_is_a_clear_error():
+    """A port another process took after the start-up check: a ConfigError that says what
+    to change, not an OSError's traceback."""
+    import pytest
+
+    from nanovllm.core.errors import ConfigError
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match="pick another --port"):
+            listening_sockets("127.0.0.1", port, 2)
+
+
 def test_two_front_ends_serve_two_replicas_and_share_metrics(tiny_llama, tmp_path):
     """With two engine replicas too (--data-parallel-size 2): each front end has a pipe to
     each replica. Streams closed after their first token free their blocks whichever front

@@ -22,6 +22,7 @@ import tempfile
 import threading
 from multiprocessing.connection import wait
 
+from nanovllm.core.errors import ConfigError
 from nanovllm.engine.engine_proc import freeze_heap
 from nanovllm.engine.messages import EngineProcessConfig
 
@@ -36,27 +37,30 @@ def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
     with SO_REUSEPORT, and the kernel spreads new connections over them evenly (by address
     hash). One shared socket, used elsewhere, lets whichever process wakes first take the
     queue (asyncio accepts up to 100 connections a wakeup): in a test here 512 connections at
-    once split 127 / 385 over two processes, against 260 / 252 with SO_REUSEPORT."""
-    import uvicorn
-
-    if n == 1 or not (sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")):
-        return [uvicorn.Config(None, host=host, port=port).bind_socket()] * n
+    once split 127 / 385 over two processes, against 260 / 252 with SO_REUSEPORT. A port
+    taken since check_address looked is a ConfigError."""
+    own = n > 1 and sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn binds
     socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        for _ in range(n if own else 1):
             sock = socket.socket(family, socket.SOCK_STREAM)
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((host, port))
+            if own:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as e:
+                raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}); pick "
+                                  "another --port") from None
             port = sock.getsockname()[1]  # port 0: the others join the port it got
             sock.set_inheritable(True)
     except BaseException:
         for sock in socks:
             sock.close()
         raise
-    return socks
+    return socks if own else socks * n
 
 
 def start_front_ends(engine: EngineProcessConfig, server, client, socks: list) -> list:
