@@ -40,6 +40,12 @@ ask for `--output-len` tokens; `--range-ratio` spreads both lengths uniformly by
 The client is an asyncio process with httpx and no SDK; its CPU use is reported per rate,
 and a warning is printed when it nears one core (the client, not the server, would then be
 the bottleneck): `--client-procs P` then spreads the requests over P client processes.
+Each process spreads its requests over httpx clients of `--streams-per-client` (16): one
+client carrying hundreds of streams spends its CPU scanning its connection pool. Each rate
+reports the client's timeline (when requests went out, the first text, the first and last
+end) and the engine's idle time in each second of the run (/metrics sampled every 0.1 s):
+idle at the start or end of a saturated run is time the engine waited on the client or the
+front ends.
 The client is serve_client.py, the table and plot serve_report.py, the prompts workloads.py,
 what the server reports of its processes and engines serve_probe.py.
 """
@@ -64,9 +70,11 @@ import httpx
 
 from benchmarks.serve_client import Request, run_rate, warm_up
 from benchmarks.serve_probe import (
+    IdleSampler,
     engine_counters,
     loop_line,
     process_cpu,
+    report_idle,
     report_server_cpu,
     report_steps,
 )
@@ -225,6 +233,17 @@ def parse_args() -> argparse.Namespace:
         default=1,
         help="client processes (when one client core cannot keep up with the server)",
     )
+    ap.add_argument(
+        "--streams-per-client", type=int, default=16,
+        help="concurrent requests per httpx client in a client process (0: one client for "
+        "all): a client's pool scans all its connections as each request starts or ends",
+    )
+    ap.add_argument(
+        "--warm-connections", action=argparse.BooleanOptionalAction, default=True,
+        help="open each client process's connections (one per concurrent request) before "
+        "a rate's start, as a long-running client holds them (default); "
+        "--no-warm-connections connects inside the timed run",
+    )
     ap.add_argument("--request-timeout", type=float, default=1800)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offline", action="store_true", help="also run LLM.generate (needs --launch)")
@@ -261,8 +280,10 @@ def main() -> None:
         for rate, rate_set in zip(rates, rate_reqs):
             before = process_cpu(proc.pid, log) if proc is not None else {}
             counters = engine_counters(base_url, headers)
-            runs.append(run_rate(args, base_url, model, rate_set, rate))
+            with IdleSampler(base_url, headers) as sampler:
+                runs.append(run_rate(args, base_url, model, rate_set, rate))
             print_table(runs[-1:])
+            report_idle(sampler, runs[-1])
             if before:
                 report_server_cpu(before, process_cpu(proc.pid, log), runs[-1])
             report_steps(counters, engine_counters(base_url, headers), runs[-1])

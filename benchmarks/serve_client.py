@@ -6,6 +6,7 @@ __main__.
 """
 
 import asyncio
+import contextlib
 import json
 import math
 import multiprocessing
@@ -34,18 +35,33 @@ class Result:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     chunks: int = 0
+    sent_at: float = 0.0  # wall clock (time.time()): the request's start, first text, end
+    first_at: float | None = None
+    ended_at: float | None = None
 
 
-async def send(client: httpx.AsyncClient, model: str, req: Request) -> Result:
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+def encode_body(model: str, req: Request) -> bytes:
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, **req.body}
+    return json.dumps(body).encode()
+
+
+async def send(client: httpx.AsyncClient, model: str, req: Request,
+               body: bytes | None = None) -> Result:
+    """One streamed request; `body`, its JSON encoded ahead of time (encode_body), keeps a
+    burst's requests from waiting on each other's encoding."""
+    if body is None:
+        body = encode_body(model, req)
     stamps: list[float] = []
     usage_tokens = None
-    t0 = time.perf_counter()
+    sent_at, t0 = time.time(), time.perf_counter()
     try:
-        async with client.stream("POST", req.path, json=body) as resp:
+        async with client.stream("POST", req.path, content=body, headers=JSON_HEADERS) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
-                return Result(False, f"HTTP {resp.status_code}: {text[:200]}")
+                return Result(False, f"HTTP {resp.status_code}: {text[:200]}", sent_at=sent_at)
             buf = b""
             async for data in resp.aiter_bytes():
                 now = time.perf_counter()
@@ -62,10 +78,10 @@ async def send(client: httpx.AsyncClient, model: str, req: Request) -> Result:
                         if c.get("text") or delta.get("content"):
                             stamps.append(now)
     except httpx.HTTPError as e:
-        return Result(False, f"{type(e).__name__}: {e}")
+        return Result(False, f"{type(e).__name__}: {e}", sent_at=sent_at)
     end = time.perf_counter()
     if not stamps:
-        return Result(False, "no text streamed")
+        return Result(False, "no text streamed", sent_at=sent_at)
     return Result(
         ok=True,
         ttft=stamps[0] - t0,
@@ -73,7 +89,17 @@ async def send(client: httpx.AsyncClient, model: str, req: Request) -> Result:
         itl=[b - a for a, b in zip(stamps, stamps[1:])],
         output_tokens=usage_tokens if usage_tokens is not None else len(stamps),
         chunks=len(stamps),
+        sent_at=sent_at,
+        first_at=sent_at + stamps[0] - t0,
+        ended_at=sent_at + end - t0,
     )
+
+
+# requests one httpx client carries at once: its connection pool scans every connection it
+# holds each time a request starts or ends (httpcore's _assign_requests_to_connections), so
+# one client carrying a burst of 256 streams spent most of its process's CPU there (4.6 of
+# 5.7 s in a profile) and read the streams late; clients of 16 keep that scan short
+STREAMS_PER_CLIENT = 16
 
 
 def http_client(args, base_url: str) -> httpx.AsyncClient:
@@ -83,11 +109,22 @@ def http_client(args, base_url: str) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=timeout)
 
 
+@contextlib.asynccontextmanager
+async def http_clients(args, base_url: str, concurrent: int):
+    """Enough clients for `concurrent` streams at args.streams_per_client each (0: one)."""
+    async with contextlib.AsyncExitStack() as stack:
+        per = getattr(args, "streams_per_client", STREAMS_PER_CLIENT) or concurrent
+        n = max(1, math.ceil(concurrent / per))
+        yield [await stack.enter_async_context(http_client(args, base_url)) for _ in range(n)]
+
+
 async def warm_up(args, base_url: str, model: str, reqs: list[Request]) -> None:
     """Every prompt once, all at once, 4 tokens each: the engine meets the workload's batch
     shapes (allocator growth, kernel choices) before anything is timed."""
-    async with http_client(args, base_url) as client:
-        results = await asyncio.gather(*(send(client, model, warmup_request(r)) for r in reqs))
+    async with http_clients(args, base_url, len(reqs)) as clients:
+        results = await asyncio.gather(*(
+            send(clients[i % len(clients)], model, warmup_request(r)) for i, r in enumerate(reqs)
+        ))
     failed = [r.error for r in results if not r.ok]
     if failed:
         print(f"warm-up: {len(failed)} requests failed, e.g. {failed[0]}")
@@ -99,16 +136,28 @@ async def drive(args, base_url, model, reqs, rate, seed, start_at) -> tuple[list
     rng = random.Random(seed)
     limit = asyncio.Semaphore(args.max_concurrency or len(reqs))
 
-    async def limited(client, req):
+    async def limited(client, req, body):
         async with limit:
-            return await send(client, model, req)
+            return await send(client, model, req, body)
 
-    async with http_client(args, base_url) as client:
+    # encoded before the start: at rate inf, a burst's first request goes out only after
+    # every task of the burst has run to its first wait (asyncio runs them in turn)
+    bodies = [encode_body(model, r) for r in reqs]
+    concurrent = args.max_concurrency or len(reqs)
+    async with http_clients(args, base_url, concurrent) as clients:
+        if getattr(args, "warm_connections", False):
+            # a connection for each stream, opened (and this process's HTTP code run once)
+            # before the start, as a long-running client holds them: without, the burst's
+            # first request reached the engine ~0.4 s into the run, after the connects
+            # and first steps of every request of the process (BENCHMARKS.md)
+            per = math.ceil(concurrent / len(clients))
+            await asyncio.gather(*(c.get("/health") for c in clients for _ in range(per)))
         await asyncio.sleep(max(0.0, start_at - time.time()))
         cpu0 = time.process_time()
         tasks = []
-        for req in reqs:
-            tasks.append(asyncio.create_task(limited(client, req)))
+        for i, (req, body) in enumerate(zip(reqs, bodies)):
+            client = clients[i % len(clients)]
+            tasks.append(asyncio.create_task(limited(client, req, body)))
             if math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
@@ -142,7 +191,25 @@ def run_rate(args, base_url: str, model: str, reqs: list[Request], rate: float) 
         results[i::procs] = part
     duration = max(end for _, end, _ in parts) - start_at
     cpu = max(cpu for _, _, cpu in parts)  # the busiest client process
-    return summarize(rate, results, reqs, duration, cpu)
+    run = summarize(rate, results, reqs, duration, cpu)
+    run["start_at"] = start_at
+    run["timeline_s"] = timeline(results, start_at)
+    return run
+
+
+def timeline(results: list[Result], start_at: float) -> dict:
+    """When, in seconds from the run's start, the requests went out (first and last), the
+    first text came back, and the first and last request ended: with the engine's own step
+    trace (its header's unix start) this says whether a run's time went to the client, the
+    front ends or the engine."""
+    ok = [r for r in results if r.ok]
+    if not ok:
+        return {}
+    sent = [r.sent_at - start_at for r in results]
+    ended = [r.ended_at - start_at for r in ok]
+    return {"first_sent": min(sent), "last_sent": max(sent),
+            "first_text": min(r.first_at for r in ok) - start_at,
+            "first_ended": min(ended), "last_ended": max(ended)}
 
 
 def warmup_request(req: Request) -> Request:

@@ -20,6 +20,11 @@ def print_table(runs: list[dict]) -> None:
         print(line)
         if r["failed"]:
             print(f"       {r['failed']} failed: {r['errors']}")
+        t = r.get("timeline_s")
+        if t:
+            print(f"       client timeline: sent {t['first_sent']:.2f}-{t['last_sent']:.2f} s, "
+                  f"first text {t['first_text']:.2f} s, ended {t['first_ended']:.2f}-"
+                  f"{t['last_ended']:.2f} s")
         if r["wrong_length"]:
             print(f"       {r['wrong_length']} responses had a different length than asked")
         if r["client_cpu_frac"] > 0.8:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The measurements still open for issues 11 and 12, in stages that each fit one device call
-# (10 minutes; SERVE_FLAGS, PROMPTS, CLIENT_PROCS, RATES, OFFLINE_RUNS and SERVE_S shape the
-# serve stage: more runs of each side tell a few percent from a host's noise). Run
+# (10 minutes; SERVE_FLAGS, PROMPTS, CLIENT_PROCS, CLIENT_FLAGS, RATES, OFFLINE_RUNS and
+# SERVE_S shape the serve stage: more runs of each side tell a few percent from a host's noise). Run
 # from the repository root (carry `.whl`: it holds the server's wheels, see gpu_serve.sh),
 # one stage per call; tp and dp need `nvidia-h200-x2`, the others one GPU:
 #   bash scripts/gpu_plan.sh tests    # every GPU test, two-GPU tensor parallelism included
@@ -73,7 +73,7 @@ case "$stage" in
         --launch "--model $MODEL --max-num-seqs 256 --max-model-len 4096 --max-num-waiting 4096 $extra" \
         --rates "${RATES:-inf,inf}" --num-prompts "${PROMPTS:-256}" --input-len 512 \
         --output-len 256 --range-ratio 0.5 --client-procs "${CLIENT_PROCS:-4}" --offline \
-        --offline-runs "${OFFLINE_RUNS:-2}" \
+        --offline-runs "${OFFLINE_RUNS:-2}" ${CLIENT_FLAGS:-} \
         --out "$OUT/$name.json" 2>&1 \
         | grep -E "server CPU|engine steps|engine loop|gc pauses|^ +inf|offline|best" \
         | tee "$OUT/$name.log"
