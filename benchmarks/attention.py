@@ -9,6 +9,8 @@
                                               # (with --fp8: over the engine's fp8 cache)
     python -m benchmarks.attention --fp8-decode  # the experimental fp8 decode (wgmma e4m3)
                                                  # against the engine's, bf16 for scale
+    python -m benchmarks.attention --decode-buffers  # both caches' decode, K/V tiles double-
+                                                     # and triple-buffered against the defaults
     python -m benchmarks.attention --fp8-registers  # the engine's fp8 decode under register
                                                     # caps (programs an SM), bf16 for scale
 
@@ -444,6 +446,49 @@ def fp8_register_table(table: Table) -> None:
         del batch
 
 
+# Decode tiles whose K/V tiles Triton 3.6 double- or triple-buffers (compiled for sm_90
+# on a CPU, `ttg.local_alloc` of 2-3 tiles): at the engine's stages (2 or 3) each tile has
+# one buffer, and the next tile's cp.async is issued after the tile's dots (the loop's last
+# instructions in the SASS), so every tile waits out a load's full latency. (block_n, warps,
+# stages, register cap) -> its buffers, ptxas' registers and what fits an SM, by compile:
+DECODE_BUFFER_CONFIGS = {
+    "fp8": [
+        (128, 4, 2, 128),  # the default: 1 buffer, 128 regs, 41 KB: 4 programs an SM
+        (128, 4, 5, 128),  # 2 buffers, 75 KB: 3 programs
+        (128, 4, 7, 128),  # 3 buffers, 108 KB: 2 programs
+        (64, 4, 5, 128),  # 2 buffers of 64 positions, 110 regs, 39 KB: 4 programs
+        (64, 4, 7, 128),  # 3 buffers, 108 regs, 56 KB: 4 programs (3 by shared memory)
+        (128, 8, 5, None),  # 2 buffers, 127 regs at 8 warps: 2 programs
+    ],
+    "bf16": [
+        (64, 4, 3, None),  # the default: 1 buffer, 91 regs, 39 KB: 5 programs an SM
+        (64, 4, 5, None),  # 2 buffers, 140 regs, 73 KB: 3 programs
+        (32, 4, 5, None),  # 2 buffers of 32 positions, 72 regs, 38 KB: 5 programs
+        (32, 4, 7, None),  # 3 buffers, 71 regs, 55 KB: 4 programs
+    ],
+}
+
+
+def decode_buffers_table(table: Table) -> None:
+    """Both caches' decode kernels at tiles that multi-buffer their K/V loads
+    (DECODE_BUFFER_CONFIGS), against each cache's default, on the seed's decode contexts
+    and ragged ones (256 rows), CUDA-graph times."""
+    from nanovllm.kernels import triton_attention as tb
+
+    for name, rows in (("decode seed contexts", seed_decode_rows(256)),
+                       ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000))):
+        for cache, block_size, fmt in (("bf16", 16, None), ("fp8", 128, "fp8-token")):
+            case = f"{name} bs={block_size} {cache}"
+            args = (fmt,) if fmt else ()
+            if not (batch := make_batch(table, case, rows, block_size, *args)):
+                continue
+            for block_n, warps, stages, regs in DECODE_BUFFER_CONFIGS[cache]:
+                cfg = tb.TileConfig(16, block_n, warps, stages, max_registers=regs)
+                run_triton(table, case, f"n{block_n} w{warps} s{stages} regs {regs or '-'}",
+                           batch, graph=True, decode_config=cfg)
+            del batch
+
+
 def seed_decode_rows(num_rows: int, seed: int = 0) -> list[tuple[int, int]]:
     """Decode rows as the seed workload (bench.py) has them midway: prompts of 100-1,024
     tokens, outputs of 100-1,024, each row some way through its output."""
@@ -518,6 +563,8 @@ def main() -> int:
                         help="only the experimental fp8 decode against the engine's")
     parser.add_argument("--fp8-registers", action="store_true",
                         help="only the engine's fp8 decode under register caps")
+    parser.add_argument("--decode-buffers", action="store_true",
+                        help="only both caches' decode at multi-buffered tiles")
     parser.add_argument("--prefill", action="store_true",
                         help="only the prefill tile sweep (a seed prefill step, 8 x 512)")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[256],
@@ -541,6 +588,7 @@ def main() -> int:
              else (ragged_table,) if args.ragged else (prefill_sweep,) if args.prefill
              else (fp8_decode_table,) if args.fp8_decode
              else (fp8_register_table,) if args.fp8_registers
+             else (decode_buffers_table,) if args.decode_buffers
              else (main_table, None if args.quick else sweeps))
     for part in parts:
         if part is None:

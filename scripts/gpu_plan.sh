@@ -22,6 +22,8 @@
 #                                     # decode step's profile
 #   bash scripts/gpu_plan.sh fp8prefill # the fp8 cache's prefill tiles, the engine's and
 #                                     # fp8_attention's (benchmarks/attention.py --prefill --fp8)
+#   bash scripts/gpu_plan.sh buffers  # both caches' decode with K/V tiles double- and triple-
+#                                     # buffered (benchmarks/attention.py --decode-buffers)
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -31,7 +33,7 @@
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, syncs or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -129,6 +131,9 @@ case "$stage" in
     # fp8_attention's (128 positions a tile; they spill registers at 128 rows, sm90_ptx)
     timeout 500 python3 -m benchmarks.attention --prefill --fp8 2>&1 \
       | tee "$OUT/fp8_prefill_tiles.log" | tail -100 ;;
+  buffers)
+    timeout 300 python3 -m benchmarks.attention --decode-buffers 2>&1 \
+      | tee "$OUT/decode_buffers.log" | tail -40 ;;
   syncs)
     for dtype in auto fp8; do
       timeout 120 python3 -m benchmarks.offline --no-peer --sync-debug --kv-cache-dtype $dtype \
@@ -141,6 +146,6 @@ case "$stage" in
     timeout 520 python3 -m benchmarks.kv_tiers --shape 8b --only priority --repeat 2 \
       --out "$OUT/swap.json" 2>&1 | grep -v " INFO " | tee "$OUT/swap.log" | tail -16 ;;
   *)
-    echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, syncs or swap" >&2
+    echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, syncs or swap" >&2
     exit 2 ;;
 esac

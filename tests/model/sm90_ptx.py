@@ -11,6 +11,8 @@ folded and those divisible by 16 marked so (unless the kernel says do_not_specia
 Prints one JSON object per compiled launch: kernel, case, the PTX's loads by kind and width,
 its count of shared-memory stores, the shared memory it needs and, from the cubin (through
 the cuobjdump Triton ships), its registers a thread and bytes spilled to local memory.
+`--decode-tiles` instead compiles the decode kernels at the tiles benchmarks/attention.py
+--decode-buffers times, and says how many buffers each tile's K/V loads got.
 """
 
 import inspect
@@ -180,6 +182,42 @@ def _resources(cubin: bytes | None) -> dict:
             "spill_bytes": int(stack.group(1)) + int(local.group(1)) if stack and local else None}
 
 
+# an SM of an H100/H200: registers, shared memory (227 KiB a block, 228 an SM), warps
+SM_REGISTERS, SM_SHARED, SM_WARPS = 65536, 228 * 1024, 64
+
+
+def decode_tiles(compile, target) -> None:
+    """`--decode-tiles`: both caches' decode kernels compiled at benchmarks/attention.py's
+    DECODE_BUFFER_CONFIGS: how many buffers Triton's pipeliner gave the K/V tiles (the
+    largest shared allocation's leading dimension in the TTGIR), registers, spills, shared
+    memory, and the programs an SM holds by those."""
+    from triton.compiler import ASTSource
+
+    from benchmarks.attention import DECODE_BUFFER_CONFIGS
+
+    for cache, (kv_dtype, scales) in (("bf16", CASES["bf16"]), ("fp8", CASES["fp8-token"])):
+        fn, args, kwargs = next(c for c in record(kv_dtype, scales)
+                                if c[0].__name__ == "_decode_kernel")
+        for block_n, warps, stages, cap in DECODE_BUFFER_CONFIGS[cache]:
+            kw = dict(kwargs, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            sig, consts, attrs, options = _signature(fn, args, kw)
+            if cap:
+                options["maxnreg"] = cap
+            compiled = compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                               target=target, options=options)
+            allocs = re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x(\d+)x(\d+)x",
+                                compiled.asm["ttgir"])
+            buffers = max((int(n) for n, a, b in allocs if int(a) * int(b) >= 1024), default=0)
+            res = _resources(compiled.asm.get("cubin"))
+            smem, regs = compiled.metadata.shared, res.get("regs")
+            fits = [SM_SHARED // (smem + 1024), SM_WARPS // warps]
+            if regs:  # allocated a warp at a time, in units of 256 registers
+                fits.append(SM_REGISTERS // (-(-regs * 32 // 256) * 256 * warps))
+            print(json.dumps({"cache": cache, "block_n": block_n, "warps": warps,
+                              "stages": stages, "register_cap": cap, "kv_buffers": buffers,
+                              "shared": smem, **res, "programs_an_sm": min(fits)}), flush=True)
+
+
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET=1: the point is the compiler")
@@ -191,6 +229,9 @@ def main() -> None:
         target = GPUTarget("cuda", 90, 32)
     except (ImportError, TypeError) as e:
         print(json.dumps({"unsupported": f"triton {triton.__version__}: {e!r}"}))
+        return
+    if "--decode-tiles" in sys.argv[1:]:
+        decode_tiles(compile, target)
         return
     launches = [(case, call) for case, (kv_dtype, scales) in CASES.items()
                 for call in record(kv_dtype, scales)]
