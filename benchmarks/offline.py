@@ -67,6 +67,8 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     from nanovllm import LLM, SamplingParams
 
     opts = engine_options(args)
+    if args.decode_tile:
+        set_decode_tile(args.decode_tile, args.kv_cache_dtype == "fp8")
     t0 = time.perf_counter()
     llm = LLM(args.model, **opts)
     load_s = time.perf_counter() - t0
@@ -120,6 +122,20 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         })
     result["repeats"] = repeats
     return result
+
+
+def set_decode_tile(spec: str, fp8: bool) -> None:
+    """--decode-tile POSITIONS,WARPS,STAGES[,REGISTERS]: the decode kernel's tiles for this
+    run's cache, in place of the engine's (triton_attention.DECODE_TILES)."""
+    from nanovllm.kernels import triton_attention as tb
+
+    try:
+        block_n, warps, stages, *cap = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise SystemExit(f"--decode-tile {spec!r}: give POSITIONS,WARPS,STAGES[,REGISTERS], "
+                         "e.g. 128,4,5,128") from None
+    tb.DECODE_TILES["fp8" if fp8 else "bf16"] = tb.TileConfig(
+        16, block_n, warps, stages, max_registers=cap[0] if cap else None)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -245,6 +261,9 @@ def main() -> None:
     ap.add_argument("--fp8-attention", choices=["off", "q", "qp"], default=None,
                     help="with --kv-cache-dtype fp8: decode on the fp8 tensor cores "
                     "(default: the engine's, off)")
+    ap.add_argument("--decode-tile", metavar="N,W,S[,R]",
+                    help="the decode kernel's tiles for this cache: positions, warps, stages "
+                    "and a register cap (default: the engine's, triton_attention.DECODE_TILES)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="a diagnostic run: list the lines where the first timed run made the "
                     "host wait for the GPU (torch's sync debug mode; slower)")

@@ -24,6 +24,10 @@
 #                                     # fp8_attention's (benchmarks/attention.py --prefill --fp8)
 #   bash scripts/gpu_plan.sh buffers  # both caches' decode with K/V tiles double- and triple-
 #                                     # buffered (benchmarks/attention.py --decode-buffers)
+#   FP8_TILE=64,4,7,128 BF16_TILE=32,4,5 bash scripts/gpu_plan.sh tiles
+#                                     # the seed workload, each cache's default decode tiles
+#                                     # against the given ones (offline.py --decode-tile),
+#                                     # alternating, two runs each
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -33,7 +37,7 @@
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, syncs or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, tiles, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -134,6 +138,19 @@ case "$stage" in
   buffers)
     timeout 300 python3 -m benchmarks.attention --decode-buffers 2>&1 \
       | tee "$OUT/decode_buffers.log" | tail -40 ;;
+  tiles)
+    for round in 1 2; do
+      for pair in "fp8 ${FP8_TILE:-}" "auto ${BF16_TILE:-}"; do
+        read -r dtype tile <<< "$pair"
+        [ -n "$tile" ] || continue
+        for flags in "" "--decode-tile $tile"; do
+          # shellcheck disable=SC2086
+          timeout 110 python3 -m benchmarks.offline --no-peer --kv-cache-dtype "$dtype" $flags \
+            2>&1 | grep "^nano-vLLM  " | sed "s/^/round $round $dtype ${flags:-default}: /" \
+            | tee -a "$OUT/tiles.log"
+        done
+      done
+    done ;;
   syncs)
     for dtype in auto fp8; do
       timeout 120 python3 -m benchmarks.offline --no-peer --sync-debug --kv-cache-dtype $dtype \
@@ -146,6 +163,6 @@ case "$stage" in
     timeout 520 python3 -m benchmarks.kv_tiers --shape 8b --only priority --repeat 2 \
       --out "$OUT/swap.json" 2>&1 | grep -v " INFO " | tee "$OUT/swap.log" | tail -16 ;;
   *)
-    echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, syncs or swap" >&2
+    echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, tiles, syncs or swap" >&2
     exit 2 ;;
 esac

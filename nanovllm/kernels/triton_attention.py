@@ -141,15 +141,22 @@ def default_decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
     within one block, hence the 128-token blocks of an fp8 cache, engine/resolve.py)."""
     if dtype == torch.float32:
         return TileConfig(block_m=16, block_n=32, num_warps=8, num_stages=2)
-    if head_dim <= 128 and fp8:
-        # ptxas gave it ~147 registers a thread, so 3 programs an SM; capped at 128 (a few
-        # bytes spilled), 4 fit: on the H200 the seed's decode contexts read 1.04x faster,
-        # ragged ones 1.06x (benchmarks/attention.py --fp8-registers)
-        return TileConfig(block_m=16, block_n=128, num_warps=4, num_stages=2,
-                          max_registers=FP8_DECODE_REGISTERS)
-    if head_dim <= 128:  # bf16 d128: ~91 regs, 39 KB smem, so ~5 programs fit an SM
-        return TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return DECODE_TILES["fp8" if fp8 else "bf16"]
     return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
+
+
+# The decode's tiles for head_dim <= 128, by cache (benchmarks/offline.py --decode-tile puts
+# another in for an A/B). fp8: ptxas gave it ~147 registers a thread, so 3 programs an SM;
+# capped at 128 (a few bytes spilled), 4 fit: on the H200 the seed's decode contexts read
+# 1.04x faster, ragged ones 1.06x (benchmarks/attention.py --fp8-registers). bf16 d128: ~91
+# registers, 39 KB of shared memory, so 5 programs fit an SM. At these stages each K/V tile
+# has one buffer (`python -m tests.model.sm90_ptx --decode-tiles`; BENCHMARKS.md)
+DECODE_TILES = {
+    "fp8": TileConfig(block_m=16, block_n=128, num_warps=4, num_stages=2,
+                      max_registers=FP8_DECODE_REGISTERS),
+    "bf16": TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3),
+}
 
 
 @functools.lru_cache(maxsize=8)
