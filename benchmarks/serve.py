@@ -37,15 +37,15 @@ Workloads: `--dataset random` (default) sends `--input-len` random token ids to
 /v1/completions; `--dataset chat` sends seeded chat questions to /v1/chat/completions. Both
 ask for `--output-len` tokens; `--range-ratio` spreads both lengths uniformly by that fraction.
 
-The client is an asyncio process with httpx and no SDK; its CPU use is reported per rate,
-and a warning is printed when it nears one core (the client, not the server, would then be
-the bottleneck): `--client-procs P` then spreads the requests over P client processes.
-Each process spreads its requests over httpx clients of `--streams-per-client` (16): one
-client carrying hundreds of streams spends its CPU scanning its connection pool. Each rate
-reports the client's timeline (when requests went out, the first text, the first and last
-end) and the engine's idle time in each second of the run (/metrics sampled every 0.1 s):
-idle at the start or end of a saturated run is time the engine waited on the client or the
-front ends.
+The client is an asyncio process with aiohttp (or `--client httpx`) and no SDK; its CPU use
+is reported per rate, and a warning is printed when it nears one core (the client, not the
+server, would then be the bottleneck): `--client-procs P` then spreads the requests over P
+client processes. With httpx each process spreads its requests over clients of
+`--streams-per-client` (16): one httpx client carrying hundreds of streams spends its CPU
+scanning its connection pool. Each rate reports the client's timeline (when requests went
+out, the first text, the first and last end) and the engine's idle time in each second of
+the run (/metrics sampled every 0.1 s): idle at the start or end of a saturated run is time
+the engine waited on the client or the front ends.
 The client is serve_client.py, the table and plot serve_report.py, the prompts workloads.py,
 what the server reports of its processes and engines serve_probe.py.
 """
@@ -234,6 +234,11 @@ def parse_args() -> argparse.Namespace:
         help="client processes (when one client core cannot keep up with the server)",
     )
     ap.add_argument(
+        "--client", choices=("aiohttp", "httpx"), default="aiohttp",
+        help="the HTTP client each client process sends through (aiohttp, the default, "
+        "costs about half of httpx's CPU a streamed token: BENCHMARKS.md)",
+    )
+    ap.add_argument(
         "--streams-per-client", type=int, default=16,
         help="concurrent requests per httpx client in a client process (0: one client for "
         "all): a client's pool scans all its connections as each request starts or ends",
@@ -254,6 +259,12 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.offline and args.launch is None:
         ap.error("--offline needs --launch, so that both runs use the same engine arguments")
+    if args.client == "aiohttp":
+        try:
+            import aiohttp  # noqa: F401
+        except ImportError:
+            ap.error("--client aiohttp (the default) needs aiohttp: pip install -e '.[bench]', "
+                     "or pass --client httpx")
     return args
 
 

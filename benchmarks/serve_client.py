@@ -41,6 +41,12 @@ class Result:
 
 
 JSON_HEADERS = {"content-type": "application/json"}
+try:  # what a failed request raises, with either client
+    import aiohttp
+
+    CLIENT_ERRORS: tuple = (httpx.HTTPError, aiohttp.ClientError, asyncio.TimeoutError)
+except ImportError:
+    CLIENT_ERRORS = (httpx.HTTPError,)
 
 
 def encode_body(model: str, req: Request) -> bytes:
@@ -48,22 +54,34 @@ def encode_body(model: str, req: Request) -> bytes:
     return json.dumps(body).encode()
 
 
-async def send(client: httpx.AsyncClient, model: str, req: Request,
-               body: bytes | None = None) -> Result:
-    """One streamed request; `body`, its JSON encoded ahead of time (encode_body), keeps a
-    burst's requests from waiting on each other's encoding."""
+@contextlib.asynccontextmanager
+async def _post(client, path: str, body: bytes):
+    """POST `body` and stream the reply, with either HTTP client: (status, an async iterator
+    over the body's bytes as they come, a coroutine function reading the rest)."""
+    if isinstance(client, httpx.AsyncClient):
+        async with client.stream("POST", path, content=body, headers=JSON_HEADERS) as resp:
+            yield resp.status_code, resp.aiter_bytes(), resp.aread
+    else:  # an aiohttp.ClientSession
+        async with client.post(path, data=body, headers=JSON_HEADERS) as resp:
+            yield resp.status, resp.content.iter_any(), resp.read
+
+
+async def send(client, model: str, req: Request, body: bytes | None = None) -> Result:
+    """One streamed request over `client` (httpx or aiohttp, see http_clients); `body`, its
+    JSON encoded ahead of time (encode_body), keeps a burst's requests from waiting on each
+    other's encoding."""
     if body is None:
         body = encode_body(model, req)
     stamps: list[float] = []
     usage_tokens = None
     sent_at, t0 = time.time(), time.perf_counter()
     try:
-        async with client.stream("POST", req.path, content=body, headers=JSON_HEADERS) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                return Result(False, f"HTTP {resp.status_code}: {text[:200]}", sent_at=sent_at)
+        async with _post(client, req.path, body) as (status, chunks, read_rest):
+            if status != 200:
+                text = (await read_rest()).decode(errors="replace")
+                return Result(False, f"HTTP {status}: {text[:200]}", sent_at=sent_at)
             buf = b""
-            async for data in resp.aiter_bytes():
+            async for data in chunks:
                 now = time.perf_counter()
                 buf += data.replace(b"\r\n", b"\n") if b"\r" in data else data
                 *events, buf = buf.split(b"\n\n")
@@ -77,7 +95,7 @@ async def send(client: httpx.AsyncClient, model: str, req: Request,
                         delta = c.get("delta") or {}
                         if c.get("text") or delta.get("content"):
                             stamps.append(now)
-    except httpx.HTTPError as e:
+    except CLIENT_ERRORS as e:
         return Result(False, f"{type(e).__name__}: {e}", sent_at=sent_at)
     end = time.perf_counter()
     if not stamps:
@@ -111,11 +129,36 @@ def http_client(args, base_url: str) -> httpx.AsyncClient:
 
 @contextlib.asynccontextmanager
 async def http_clients(args, base_url: str, concurrent: int):
-    """Enough clients for `concurrent` streams at args.streams_per_client each (0: one)."""
+    """The clients a process sends through: with --client httpx, enough clients for
+    `concurrent` streams at args.streams_per_client each (0: one); with aiohttp, one session
+    (its connector hands out idle connections without scanning them all)."""
     async with contextlib.AsyncExitStack() as stack:
+        if getattr(args, "client", "httpx") == "aiohttp":
+            import aiohttp
+
+            headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+            session = aiohttp.ClientSession(
+                base_url=base_url, headers=headers,
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                timeout=aiohttp.ClientTimeout(total=args.request_timeout))
+            yield [await stack.enter_async_context(session)]
+            return
         per = getattr(args, "streams_per_client", STREAMS_PER_CLIENT) or concurrent
         n = max(1, math.ceil(concurrent / per))
         yield [await stack.enter_async_context(http_client(args, base_url)) for _ in range(n)]
+
+
+async def open_connections(clients: list, count: int) -> None:
+    """`count` connections on each client, opened and left idle in its pool (and this
+    process's HTTP code run once): as many requests to /health at once."""
+    async def health(client) -> None:
+        if isinstance(client, httpx.AsyncClient):
+            (await client.get("/health")).raise_for_status()
+        else:
+            async with client.get("/health") as resp:
+                await resp.read()
+
+    await asyncio.gather(*(health(c) for c in clients for _ in range(count)))
 
 
 async def warm_up(args, base_url: str, model: str, reqs: list[Request]) -> None:
@@ -130,9 +173,10 @@ async def warm_up(args, base_url: str, model: str, reqs: list[Request]) -> None:
         print(f"warm-up: {len(failed)} requests failed, e.g. {failed[0]}")
 
 
-async def drive(args, base_url, model, reqs, rate, seed, start_at) -> tuple[list, float, float]:
-    """Send `reqs` as a Poisson process of `rate` from wall time `start_at`; the results, the
-    wall time the last one ended, and this process's CPU seconds."""
+async def drive(args, base_url, model, reqs, rate, seed, start_at) -> tuple:
+    """Send `reqs` as a Poisson process of `rate` from wall time `start_at` (or once the
+    connections are open, if later); the results, the wall times this process started and
+    its last request ended, and its CPU seconds in between."""
     rng = random.Random(seed)
     limit = asyncio.Semaphore(args.max_concurrency or len(reqs))
 
@@ -150,10 +194,9 @@ async def drive(args, base_url, model, reqs, rate, seed, start_at) -> tuple[list
             # before the start, as a long-running client holds them: without, the burst's
             # first request reached the engine ~0.4 s into the run, after the connects
             # and first steps of every request of the process (BENCHMARKS.md)
-            per = math.ceil(concurrent / len(clients))
-            await asyncio.gather(*(c.get("/health") for c in clients for _ in range(per)))
+            await open_connections(clients, math.ceil(concurrent / len(clients)))
         await asyncio.sleep(max(0.0, start_at - time.time()))
-        cpu0 = time.process_time()
+        started, cpu0 = time.time(), time.process_time()
         tasks = []
         for i, (req, body) in enumerate(zip(reqs, bodies)):
             client = clients[i % len(clients)]
@@ -161,10 +204,10 @@ async def drive(args, base_url, model, reqs, rate, seed, start_at) -> tuple[list
             if math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-        return results, time.time(), time.process_time() - cpu0
+        return results, started, time.time(), time.process_time() - cpu0
 
 
-def drive_shard(*a) -> tuple[list, float, float]:
+def drive_shard(*a) -> tuple:
     return asyncio.run(drive(*a))
 
 
@@ -187,13 +230,15 @@ def run_rate(args, base_url: str, model: str, reqs: list[Request], rate: float) 
             ]  # fmt: skip
             parts = [f.result() for f in futures]
     results: list = [None] * len(reqs)
-    for i, (part, _, _) in enumerate(parts):
+    for i, (part, _, _, _) in enumerate(parts):
         results[i::procs] = part
-    duration = max(end for _, end, _ in parts) - start_at
-    cpu = max(cpu for _, _, cpu in parts)  # the busiest client process
+    # from the first process's start: opening connections (--warm-connections) is not timed
+    start = min(started for _, started, _, _ in parts)
+    duration = max(end for _, _, end, _ in parts) - start
+    cpu = max(cpu for _, _, _, cpu in parts)  # the busiest client process
     run = summarize(rate, results, reqs, duration, cpu)
-    run["start_at"] = start_at
-    run["timeline_s"] = timeline(results, start_at)
+    run["start_at"] = start
+    run["timeline_s"] = timeline(results, start)
     return run
 
 

@@ -9,7 +9,9 @@
 # The GPU image lacks the server's packages: carry them as wheels in .whl/ (git-ignored):
 #   pip download --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
-#     gguf==0.19.0 fastapi uvicorn uvloop httptools prometheus_client httpx
+#     gguf==0.19.0 fastapi uvicorn uvloop httptools prometheus_client httpx aiohttp
+# (aiohttp: the benchmark's default client; add --platform manylinux_2_28_x86_64 for its
+# wheels)
 source scripts/device_env.sh
 MODEL=$(python3 -m benchmarks.random_model)
 if [ -n "$ENGINE_LOOP" ]; then
