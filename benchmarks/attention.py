@@ -459,8 +459,11 @@ DECODE_BUFFER_CONFIGS = {
         (128, 4, 5, 128),  # 2 buffers, 75 KB: 3 programs
         (128, 4, 7, 128),  # 3 buffers, 108 KB: 2 programs
         (64, 4, 5, 128),  # 2 buffers of 64 positions, 110 regs, 39 KB: 4 programs
-        (64, 4, 7, 128),  # 3 buffers, 108 regs, 56 KB: 4 programs (3 by shared memory)
+        (64, 4, 7, 128),  # 3 buffers, 108 regs, 56 KB: 4 programs
         (128, 8, 5, None),  # 2 buffers, 127 regs at 8 warps: 2 programs
+        (64, 4, 5, 96),  # 2 buffers, 96 regs (48 bytes spilled): 5 programs
+        (32, 4, 7, 96),  # 3 buffers of 32 positions, 88 regs, 30 KB: 5 programs
+        (32, 4, 9, None),  # 4 buffers, 92 regs, 38 KB: 5 programs
     ],
     "bf16": [
         (64, 4, 3, None),  # the default: 1 buffer, 91 regs, 39 KB: 5 programs an SM
