@@ -158,8 +158,9 @@ class IdleSampler:
             self._stop.wait(self.interval)
 
     def idle_by_second(self, start_at: float, end: float) -> list[float]:
-        """Seconds of engine idle in each second of the run [start_at, end): the counter's
-        growth between samples, spread over the second each sample interval ends in."""
+        """Seconds of engine idle in each second of the run [start_at, end) (summed over
+        the engines with --data-parallel-size): the counter's growth between samples, put
+        in the second each sample interval ends in."""
         buckets = [0.0] * max(1, math.ceil(end - start_at))
         for (_, a), (t, b) in zip(self.samples, self.samples[1:]):
             k = math.floor(t - start_at)
