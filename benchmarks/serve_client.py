@@ -139,7 +139,9 @@ async def http_clients(args, base_url: str, concurrent: int):
             headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
             session = aiohttp.ClientSession(
                 base_url=base_url, headers=headers,
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                # idle connections close on this side first: uvicorn closes them after 5 s,
+                # and a request sent on one it is closing fails
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
                 timeout=aiohttp.ClientTimeout(total=args.request_timeout))
             yield [await stack.enter_async_context(session)]
             return
