@@ -22,8 +22,10 @@ if [ -z "$SKIP_TESTS" ]; then
   # tests/server holds none, and its conftest imports openai, which the GPU image lacks;
   # test_kv_events.py holds none and imports msgspec and zmq, which it lacks too)
   # shellcheck disable=SC2086
+  # --durations: the slowest tests, where a device session's test time goes
   timeout "${TESTS_S:-560}" python3 -m pytest -q --maxfail=10 -p no:cacheprovider \
-    ${TESTS:--m gpu tests/ --ignore=tests/server --ignore=tests/engine/test_kv_events.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    --durations=15 \
+    ${TESTS:--m gpu tests/ --ignore=tests/server --ignore=tests/engine/test_kv_events.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -45
 fi
 if [ -z "$SKIP_ATTN" ]; then
   # shellcheck disable=SC2086
