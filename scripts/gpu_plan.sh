@@ -24,10 +24,11 @@
 #                                     # fp8_attention's (benchmarks/attention.py --prefill --fp8)
 #   bash scripts/gpu_plan.sh buffers  # both caches' decode with K/V tiles double- and triple-
 #                                     # buffered (benchmarks/attention.py --decode-buffers)
-#   FP8_TILE=64,4,7,128 BF16_TILE=32,4,5 bash scripts/gpu_plan.sh tiles
-#                                     # the seed workload, each cache's default decode tiles
+#   FP8_TILE=64,4,7,128 bash scripts/gpu_plan.sh tiles  (or BF16_TILE=32,4,5)
+#                                     # the seed workload, the cache's default decode tiles
 #                                     # against the given ones (offline.py --decode-tile),
-#                                     # alternating, two runs each
+#                                     # alternating, two runs each (~60 s a run: one cache a
+#                                     # call fits the 10 minutes)
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
