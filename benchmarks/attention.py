@@ -419,33 +419,40 @@ def fp8_decode_table(table: Table) -> None:
             del batch
 
 
+def decode_tile_table(table: Table, configs: dict[str, list], row_sets) -> None:
+    """Each cache's decode kernel at its engine tiles, then at `configs[cache]` ((positions,
+    warps, stages, register cap) tuples; the engine's own tile is not timed twice), over
+    each of `row_sets` ((name, rows) pairs): the bf16 cache in blocks of 16, the fp8 cache
+    in blocks of 128 (an fp8 cache's on a GPU), CUDA-graph times."""
+    from nanovllm.kernels import triton_attention as tb
+
+    for name, rows in row_sets:
+        for cache, block_size, kv in (("bf16", 16, "bf16"), ("fp8", 128, "fp8-token")):
+            case = f"{name} bs={block_size} {cache}"
+            if not (batch := make_batch(table, case, rows, block_size, kv)):
+                continue
+            engine = tb.default_decode_config(D, DTYPE, fp8=cache == "fp8")
+            run_triton(table, case, f"engine {engine}", batch, graph=True)
+            for block_n, warps, stages, regs in configs[cache]:
+                cfg = tb.TileConfig(16, block_n, warps, stages, max_registers=regs)
+                if cfg != engine:
+                    run_triton(table, case, f"n{block_n} w{warps} s{stages} regs {regs or '-'}",
+                               batch, graph=True, decode_config=cfg)
+            del batch
+
+
 def fp8_register_table(table: Table) -> None:
     """The engine's fp8 decode at tiles and register caps (TileConfig.max_registers: at
     <= 128 registers a thread, 4 programs of 4 warps fit an SM's 64k registers, at the
-    default ~147 only 3), on the seed's decode contexts and ragged ones, blocks of 128 (an
-    fp8 cache's on a GPU), CUDA-graph times; the bf16 cache's decode (blocks of 16, its
-    engine's) for scale."""
-    from nanovllm.kernels import triton_attention as tb
-
+    default ~147 only 3), on the seed's decode contexts and ragged ones; the bf16 cache's
+    decode for scale."""
     configs = [(block_n, warps, stages, regs)
                for block_n, warps, stages in ((128, 4, 3), (128, 4, 2), (128, 8, 3), (64, 4, 3))
                for regs in (None, 128, 96)]
-    for name, rows in (("decode seed contexts", seed_decode_rows(256)),
+    decode_tile_table(table, {"bf16": [], "fp8": configs},
+                      (("decode seed contexts", seed_decode_rows(256)),
                        ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000)),
-                       ("decode B=64 seed contexts", seed_decode_rows(64))):
-        if batch := make_batch(table, f"{name} bf16", rows, 16):
-            run_triton(table, f"{name} bf16", "engine (bs=16)", batch, graph=True)
-        del batch
-        case = f"{name} bs=128 fp8-token"
-        if not (batch := make_batch(table, case, rows, 128, "fp8-token")):
-            continue
-        run_triton(table, case, f"engine {tb.default_decode_config(D, DTYPE, fp8=True)}",
-                   batch, graph=True)
-        for block_n, warps, stages, regs in configs:
-            cfg = tb.TileConfig(16, block_n, warps, stages, max_registers=regs)
-            run_triton(table, case, f"n{block_n} w{warps} s{stages} regs {regs or '-'}",
-                       batch, graph=True, decode_config=cfg)
-        del batch
+                       ("decode B=64 seed contexts", seed_decode_rows(64))))
 
 
 # Decode tiles whose K/V tiles Triton 3.6 double- or triple-buffers (compiled for sm_90
@@ -477,21 +484,10 @@ DECODE_BUFFER_CONFIGS = {
 def decode_buffers_table(table: Table) -> None:
     """Both caches' decode kernels at tiles that multi-buffer their K/V loads
     (DECODE_BUFFER_CONFIGS), against each cache's default, on the seed's decode contexts
-    and ragged ones (256 rows), CUDA-graph times."""
-    from nanovllm.kernels import triton_attention as tb
-
-    for name, rows in (("decode seed contexts", seed_decode_rows(256)),
-                       ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000))):
-        for cache, block_size, fmt in (("bf16", 16, None), ("fp8", 128, "fp8-token")):
-            case = f"{name} bs={block_size} {cache}"
-            args = (fmt,) if fmt else ()
-            if not (batch := make_batch(table, case, rows, block_size, *args)):
-                continue
-            for block_n, warps, stages, regs in DECODE_BUFFER_CONFIGS[cache]:
-                cfg = tb.TileConfig(16, block_n, warps, stages, max_registers=regs)
-                run_triton(table, case, f"n{block_n} w{warps} s{stages} regs {regs or '-'}",
-                           batch, graph=True, decode_config=cfg)
-            del batch
+    and ragged ones (256 rows)."""
+    decode_tile_table(table, DECODE_BUFFER_CONFIGS,
+                      (("decode seed contexts", seed_decode_rows(256)),
+                       ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000))))
 
 
 def seed_decode_rows(num_rows: int, seed: int = 0) -> list[tuple[int, int]]:
