@@ -68,7 +68,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.serve_client import Request, run_rate, warm_up
+from benchmarks.serve_client import STREAMS_PER_CLIENT, Request, run_rate, warm_up
 from benchmarks.serve_probe import (
     IdleSampler,
     engine_counters,
@@ -239,7 +239,7 @@ def parse_args() -> argparse.Namespace:
         "costs about half of httpx's CPU a streamed token: BENCHMARKS.md)",
     )
     ap.add_argument(
-        "--streams-per-client", type=int, default=16,
+        "--streams-per-client", type=int, default=STREAMS_PER_CLIENT,
         help="concurrent requests per httpx client in a client process (0: one client for "
         "all): a client's pool scans all its connections as each request starts or ends",
     )

@@ -120,11 +120,26 @@ async def send(client, model: str, req: Request, body: bytes | None = None) -> R
 STREAMS_PER_CLIENT = 16
 
 
+def _auth(args) -> dict:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
 def http_client(args, base_url: str) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.request_timeout)
-    return httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=timeout)
+    return httpx.AsyncClient(base_url=base_url, headers=_auth(args), limits=limits,
+                             timeout=timeout)
+
+
+def aiohttp_session(args, base_url: str):
+    import aiohttp
+
+    return aiohttp.ClientSession(
+        base_url=base_url, headers=_auth(args),
+        # idle connections close on this side first: uvicorn closes them after 5 s, and a
+        # request sent on one it is closing fails
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
+        timeout=aiohttp.ClientTimeout(total=args.request_timeout))
 
 
 @contextlib.asynccontextmanager
@@ -133,21 +148,12 @@ async def http_clients(args, base_url: str, concurrent: int):
     `concurrent` streams at args.streams_per_client each (0: one); with aiohttp, one session
     (its connector hands out idle connections without scanning them all)."""
     async with contextlib.AsyncExitStack() as stack:
-        if getattr(args, "client", "httpx") == "aiohttp":
-            import aiohttp
-
-            headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-            session = aiohttp.ClientSession(
-                base_url=base_url, headers=headers,
-                # idle connections close on this side first: uvicorn closes them after 5 s,
-                # and a request sent on one it is closing fails
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
-                timeout=aiohttp.ClientTimeout(total=args.request_timeout))
-            yield [await stack.enter_async_context(session)]
-            return
-        per = getattr(args, "streams_per_client", STREAMS_PER_CLIENT) or concurrent
-        n = max(1, math.ceil(concurrent / per))
-        yield [await stack.enter_async_context(http_client(args, base_url)) for _ in range(n)]
+        if args.client == "aiohttp":
+            clients = [aiohttp_session(args, base_url)]
+        else:
+            n = max(1, math.ceil(concurrent / (args.streams_per_client or concurrent)))
+            clients = [http_client(args, base_url) for _ in range(n)]
+        yield [await stack.enter_async_context(c) for c in clients]
 
 
 async def open_connections(clients: list, count: int) -> None:
@@ -191,7 +197,7 @@ async def drive(args, base_url, model, reqs, rate, seed, start_at) -> tuple:
     bodies = [encode_body(model, r) for r in reqs]
     concurrent = args.max_concurrency or len(reqs)
     async with http_clients(args, base_url, concurrent) as clients:
-        if getattr(args, "warm_connections", False):
+        if args.warm_connections:
             # a connection for each stream, opened (and this process's HTTP code run once)
             # before the start, as a long-running client holds them: without, the burst's
             # first request reached the engine ~0.4 s into the run, after the connects

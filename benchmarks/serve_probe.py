@@ -133,8 +133,8 @@ def report_steps(before, after, run: dict) -> None:
 class IdleSampler:
     """Reads the engines' counters every `interval` seconds while a run goes on (from the
     benchmark's main process, which waits on its client processes meanwhile): when, in the
-    run, the engine sat idle (no request to step) and what it was doing otherwise. Costs the
-    server one /metrics request (and a StatsQuery per engine) per sample."""
+    run, the engine sat idle (no request to step). Costs the server one /metrics request
+    (and a StatsQuery per engine) per sample."""
 
     def __init__(self, base_url: str, headers: dict, interval: float = 0.1) -> None:
         self.base_url, self.headers, self.interval = base_url, headers, interval
