@@ -46,8 +46,8 @@ scanning its connection pool. Each rate reports the client's timeline (when requ
 out, the first text, the first and last end) and the engine's idle time in each second of
 the run (/metrics sampled every 0.1 s): idle at the start or end of a saturated run is time
 the engine waited on the client or the front ends.
-The client is serve_client.py, the table and plot serve_report.py, the prompts workloads.py,
-what the server reports of its processes and engines serve_probe.py.
+The client is serve_client.py, each rate's figures, table and plot serve_report.py, the
+prompts workloads.py, what the server reports of its processes and engines serve_probe.py.
 """
 
 import argparse
