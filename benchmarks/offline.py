@@ -156,6 +156,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         opts["torch_compile"] = True
     if args.no_fused:
         opts["fused_kernels"] = False
+    if args.no_split_k:
+        opts["split_k"] = False
     return opts
 
 
@@ -247,6 +249,7 @@ def main() -> None:
                     help="engine option mixed_graphs=True")
     ap.add_argument("--compile", action="store_true", help="engine option torch_compile=True")
     ap.add_argument("--no-fused", action="store_true", help="engine option fused_kernels=False")
+    ap.add_argument("--no-split-k", action="store_true", help="engine option split_k=False")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs in one process")
     ap.add_argument("--alternate-overlap", action="store_true",
                     help="with --repeat: flip overlap before each further run (A/B)")

@@ -29,6 +29,10 @@
 #                                     # against the given ones (offline.py --decode-tile),
 #                                     # alternating, two runs each (~60 s a run: one cache a
 #                                     # call fits the 10 minutes)
+#   bash scripts/gpu_plan.sh splitk   # split-K o_proj/down_proj: their GPU tests and the GPU
+#                                     # engine's greedy tests, then the seed workload with
+#                                     # them (the default) against --no-split-k, alternating,
+#                                     # fp8 and bf16 caches
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -38,7 +42,7 @@
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, tiles, syncs or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, tiles, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -139,6 +143,21 @@ case "$stage" in
   buffers)
     timeout 300 python3 -m benchmarks.attention --decode-buffers 2>&1 \
       | tee "$OUT/decode_buffers.log" | tail -40 ;;
+  splitk)
+    [ -n "${SKIP_TESTS:-}" ] || timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_triton_linear.py \
+      2>&1 | tail -2 | tee "$OUT/splitk_tests.log"
+    [ -n "${SKIP_TESTS:-}" ] || timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/engine/test_gpu_engine.py -k greedy 2>&1 | tail -2 | tee -a "$OUT/splitk_tests.log"
+    for round in $(seq "${ROUNDS:-1}"); do  # ROUNDS=2 and SKIP_TESTS=1: a second call
+      for dtype in fp8 auto; do
+        for flags in "" "--no-split-k"; do
+          # shellcheck disable=SC2086
+          timeout 90 python3 -m benchmarks.offline --no-peer --kv-cache-dtype "$dtype" $flags \
+            --repeat 2 2>&1 | grep -E "^nano-vLLM  |run 2" \
+            | sed "s/^/round $round $dtype ${flags:-split-k}: /" | tee -a "$OUT/splitk.log"
+        done
+      done
+    done ;;
   tiles)
     for round in 1 2; do
       for pair in "fp8 ${FP8_TILE:-}" "auto ${BF16_TILE:-}"; do

@@ -72,6 +72,11 @@ class EngineConfig:
     # Triton norms/RoPE/SiLU and one-pass sampler. None: on CUDA. True on a CPU needs
     # Triton's interpreter (TRITON_INTERPRET=1; tests). Takes precedence over torch_compile.
     fused_kernels: bool | None = None
+    # o_proj and down_proj at up to 256 rows as a split-K Triton GEMM whose fp32 partials the
+    # next residual-add RMSNorm sums (kernels/triton_linear.py): 1.1-1.6x on those two
+    # projections on the H200. Needs the fused kernels; not under tensor parallelism.
+    # None: on with the fused kernels on a GPU, one rank
+    split_k: bool | None = None
     torch_compile: bool = False  # fuse norms/RoPE/SiLU with torch.compile (see BENCHMARKS)
     attention_backend: str = "auto"  # auto (triton on CUDA, else torch) | triton | torch
     overlap: bool | None = None  # schedule step N+1 while the GPU runs step N (None: on GPU)
@@ -213,6 +218,7 @@ class ResolvedConfig:
     kv_cache_scales: str = "token"  # fp8: "token" | "tensor"
     fp8_attention: str = "off"  # fp8: "off" | "q" | "qp"
     mixed_graphs: bool = False  # prefill+decode steps replay CUDA graphs too
+    split_k: bool = False  # o_proj / down_proj of few rows as split-K partials
     all_reduce: str = "nccl"  # tensor parallelism on GPUs: "nccl" | "symm_mem"
 
     @property
@@ -234,7 +240,8 @@ class ResolvedConfig:
             f"cuda_graphs={_on(self.cuda_graphs)}"
             + (" (mixed steps too)" if self.mixed_graphs else "")
             + f" overlap={_on(self.overlap)} "
-            f"kernels={self.kernels} attention={self.attention_backend} "
+            f"kernels={self.kernels}{' (split-K projections)' if self.split_k else ''} "
+            f"attention={self.attention_backend} "
             f"weights={self.weight_format} headroom={self.admission_headroom} "
             f"host_kv={self.num_host_blocks}x{self.block_size} tokens "
             f"(swap {self.swap_space:g} GiB, offload {self.cpu_offload_gib:g} GiB, "

@@ -82,6 +82,7 @@ def resolve_config(
         kv_cache_scales=config.kv_cache_scales,
         fp8_attention=_fp8_attention(config, attention, model, block_size),
         mixed_graphs=_mixed_graphs(config, graphs, attention),
+        split_k=_split_k(config, _kernels(config, cuda), cuda),
         all_reduce=_all_reduce(config, device, dtype),
     )
 
@@ -173,6 +174,18 @@ def _kernels(config: EngineConfig, cuda: bool) -> str:
     if fused:
         return "triton"
     return "compiled" if config.torch_compile else "torch"
+
+
+def _split_k(config: EngineConfig, kernels: str, cuda: bool) -> bool:
+    if config.split_k is None:  # on where it was measured: a GPU, one rank
+        return kernels == "triton" and cuda and config.tensor_parallel_size == 1
+    if config.split_k and kernels != "triton":
+        raise ConfigError("split_k=True needs the fused kernels (fused_kernels, on by default "
+                          "on a GPU): their residual-add RMSNorm sums its partial products")
+    if config.split_k and config.tensor_parallel_size > 1:
+        raise ConfigError("split_k=True is for one rank: under tensor parallelism o_proj and "
+                          "down_proj are all-reduced, which needs their whole output")
+    return config.split_k
 
 
 def _attention(name: str, cuda: bool) -> str:

@@ -35,16 +35,23 @@ class Kernels:
     sample_one_pass: Callable | None
     # qk_norm_rope then store_kv in one launch (Triton ops and attention); None: two calls
     qk_norm_rope_store: Callable | None = None
+    # the projections that feed a residual-add RMSNorm (o_proj, down_proj), at few rows, as
+    # split-K partial products that add_rms_norm sums (triton_linear.py; Triton ops only);
+    # None: their plain matmul
+    split_k_linear: Callable | None = None
 
 
 @functools.cache  # equal choices share callables (and compiled graphs)
 def select_kernels(ops: str = "torch", attention: str = "torch",
-                   fp8_attention: str = "off") -> Kernels:
+                   fp8_attention: str = "off", split_k: bool = False) -> Kernels:
     """The kernels for `ops` (one of OPS) and `attention` (one of ATTENTION); with
     `fp8_attention` ("q" | "qp") the attention over an fp8 cache runs on the fp8 tensor
-    cores (kernels/triton_fp8_decode.py; the torch backend: its numerics)."""
+    cores (kernels/triton_fp8_decode.py; the torch backend: its numerics); `split_k` (Triton
+    ops only): the split-K projections of triton_linear.py."""
     if ops not in OPS or attention not in ATTENTION:
         raise ValueError(f"unknown kernels ops={ops!r} attention={attention!r}")
+    if split_k and ops != "triton":
+        raise ValueError("split_k needs ops='triton': only its add_rms_norm sums the partials")
     if attention == "triton":
         from nanovllm.kernels import triton_attention as attn
     else:
@@ -67,5 +74,8 @@ def select_kernels(ops: str = "torch", attention: str = "torch",
     paged_attention = attn.paged_attention
     if fp8_attention != "off":
         paged_attention = functools.partial(paged_attention, fp8_attention=fp8_attention)
+    split_k_linear = None
+    if split_k:
+        from nanovllm.kernels.triton_linear import split_k_linear
     return Kernels(ops, attention, *fns, attn.store_kv, paged_attention, one_pass,
-                   fused_store)
+                   fused_store, split_k_linear)

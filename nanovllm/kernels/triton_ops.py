@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.triton_linear import SplitK
+
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
@@ -44,13 +46,20 @@ def _rms_norm_kernel(
     stride_o,
     N,
     eps,
+    stride_part,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PARTS: tl.constexpr = 0,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if PARTS > 0:  # x: a split-K projection's fp32 partials (triton_linear.py), summed here
+        for part in tl.static_range(1, PARTS):
+            x += tl.load(x_ptr + part * stride_part + row * stride_x + cols, mask=mask, other=0.0)
+        # rounded as the plain matmul rounds its output: to the activation (residual) dtype
+        x = x.to(res_out_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         # the sum is rounded to the residual dtype before the norm reads it, as in torch
@@ -70,7 +79,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch_norm(x2, r2, ro2, weight, out2, eps) -> None:
+def _launch_norm(x2, r2, ro2, weight, out2, eps, parts: torch.Tensor | None = None) -> None:
+    # parts: [S, rows, n] fp32 partial sums whose total is x (x2 is then parts[0])
     rows, n = x2.shape
     if rows == 0:
         return
@@ -88,8 +98,10 @@ def _launch_norm(x2, r2, ro2, weight, out2, eps) -> None:
         out2.stride(0),
         n,
         eps,
+        parts.stride(0) if parts is not None else 0,
         HAS_RESIDUAL=has_res,
         BLOCK=block,
+        PARTS=parts.shape[0] if parts is not None else 0,
         num_warps=_warps(block),
     )
 
@@ -104,7 +116,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor | SplitK, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual); same result as `torch_ops.add_rms_norm`.
 
@@ -113,17 +125,29 @@ def add_rms_norm(
     (llama.py) may rely on this: its residual is a fresh tensor (the embedding output, then
     this function's own result) that nothing else reads once it is passed on, and updating
     it in place saves an allocation and a write of a new tensor per norm.
+
+    `x` may be a split-K projection's partial products (triton_linear.SplitK): they are
+    summed and rounded to their dtype, which must be the residual's, as the projection's
+    plain matmul would have rounded its output.
     """
+    parts = None
+    if isinstance(x, SplitK):
+        assert x.dtype == residual.dtype, "a SplitK is rounded to the residual's dtype"
+        parts, x_dtype, x2 = x.parts, x.dtype, x.parts[0]
+    else:
+        x_dtype, x2 = x.dtype, _rows(x)
     n = x.shape[-1]
     assert residual.shape == x.shape, "no broadcasting of the residual"
     assert weight.shape == (n,) and weight.is_contiguous()
-    res_dtype = torch.promote_types(x.dtype, residual.dtype)
+    res_dtype = torch.promote_types(x_dtype, residual.dtype)
     if residual.is_contiguous() and residual.dtype == res_dtype:
         new_residual = residual  # each element is read before the same program overwrites it
     else:
-        new_residual = torch.empty(x.shape, dtype=res_dtype, device=x.device)
-    out = torch.empty(x.shape, dtype=torch.promote_types(res_dtype, weight.dtype), device=x.device)
-    _launch_norm(_rows(x), _rows(residual), new_residual.view(-1, n), weight, out.view(-1, n), eps)
+        new_residual = torch.empty(x.shape, dtype=res_dtype, device=residual.device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(res_dtype, weight.dtype),
+                      device=residual.device)
+    _launch_norm(x2, _rows(residual), new_residual.view(-1, n), weight, out.view(-1, n), eps,
+                 parts)
     return out, new_residual
 
 

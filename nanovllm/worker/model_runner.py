@@ -89,7 +89,7 @@ class ModelRunner:
             self.cpu_threads = CpuThreads.create()
         torch.manual_seed(config.seed)
         self.kernels = select_kernels(config.kernels, config.attention_backend,
-                                      config.fp8_attention)
+                                      config.fp8_attention, config.split_k)
         start = time.perf_counter()
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)

@@ -132,6 +132,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     opt("torch_compile", help="GPU: fuse norms, RoPE and SiLU with torch.compile")
     opt("fused_kernels", action=argparse.BooleanOptionalAction,
         help="Triton norms, RoPE, SiLU and one-pass sampler (default: on with CUDA)")
+    opt("split_k", action=argparse.BooleanOptionalAction,
+        help="o_proj and down_proj of up to 256 rows as a split-K Triton GEMM summed by the "
+        "next norm (default: on with the fused kernels on one GPU)")
     opt("attention_backend", choices=["auto", "triton", "torch"],
         help="attention kernels; auto: triton on CUDA, else torch")
     opt("overlap", action=argparse.BooleanOptionalAction,

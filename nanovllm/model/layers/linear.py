@@ -1,3 +1,5 @@
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,14 +26,20 @@ class Linear(nn.Module):
     A 4-bit checkpoint weight (QuantizedWeight) may stay packed (`finish_loading`, weight
     format "int4" or "int4-bf16"): the dense weight is dropped and torch's int4 CPU kernel
     multiplies; "int4-bf16" also keeps a bfloat16 copy for steps of many rows.
+
+    `split_k` (Kernels.split_k_linear; one rank, no bias): for steps of few rows the output
+    may come back as split-K partial products (triton_linear.SplitK) that only a residual-add
+    RMSNorm consumes, so the model gives it only to projections that feed one.
     """
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False,
         tp: TensorParallel = SINGLE, parallel: str | None = None,
+        split_k: Callable | None = None,
     ) -> None:
         super().__init__()
         self.tp, self.parallel = tp, parallel if tp.size > 1 else None
+        self.split_k = split_k if tp.size == 1 and not bias else None
         self.full_shape = (out_features, in_features)
         self.part: tuple[int, int, int] | None = None  # (dim, start, length) of the checkpoint
         if self.parallel == "column":
@@ -82,6 +90,10 @@ class Linear(nn.Module):
         return "dense (dequantized)"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_k is not None and self.packed is None:
+            partials = self.split_k(x, self.weight)  # None: more rows than a split pays for
+            if partials is not None:
+                return partials
         if self.packed is not None:
             if self.bf16 is not None and x.shape[0] >= BF16_FROM_ROWS:  # x: [T, K]
                 y = F.linear(x.to(torch.bfloat16), self.bf16).to(x.dtype)

@@ -1,0 +1,101 @@
+"""The projections back to the hidden size as a split-K GEMM, for steps of few rows (CUDA).
+
+A decode step multiplies a few hundred rows. Projected to the hidden size (o_proj 2,048 ->
+1,024 and down_proj 3,072 -> 1,024 in Qwen3-0.6B) that is a short, wide contraction with
+few output tiles: cuBLAS ran these two at ~1 TB/s of weight reads on the H200, 5-7 us each
+at any batch from 16 to 256 rows, while the other two projections of a layer read theirs at
+2-3 TB/s (BENCHMARKS.md). Split along the contraction, S programs share each output tile
+and the GPU fills up; each writes its fp32 partial product, and the residual-add RMSNorm
+that always follows these projections (model/models/llama.py) adds the S slices up as it
+reads its input (triton_ops.add_rms_norm), so the split costs no launch of its own.
+
+`split_k_linear` returns a `SplitK` (the partials) or None where a split does not pay (more
+rows than the table below, or a shape it does not divide): the caller then runs its plain
+matmul. Only the Triton ops understand a SplitK; kernels.select_kernels gives this function
+to an engine only with them.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# rows -> (block_m, block_n, block_k, stages), from a sweep on the H200 at Qwen3-0.6B's two
+# shapes (BENCHMARKS.md: 1.13-1.61x over cuBLAS + the norm, norm included); above the last
+# row count, cuBLAS
+TILES = ((16, (16, 64, 64, 4)), (32, (32, 64, 64, 4)), (64, (64, 64, 64, 4)),
+         (128, (64, 64, 64, 4)), (256, (64, 128, 64, 3)))
+MAX_ROWS = TILES[-1][0]
+MAX_SPLITS = 8
+SMS_OFF_GPU = 132  # the split a CPU (Triton's interpreter, tests) picks: an H200's
+
+
+@dataclass(frozen=True)
+class SplitK:
+    """A projection's output as S fp32 partial products `parts` [S, M, N], which its consumer
+    sums and rounds to `dtype` (the activation dtype a plain matmul would have returned)."""
+
+    parts: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.parts.shape[1:]
+
+    def sum(self) -> torch.Tensor:
+        return self.parts.sum(0).to(self.dtype)
+
+
+@triton.jit
+def _split_k_kernel(x_ptr, w_ptr, parts_ptr, M, N, K, k_len, stride_x, stride_w,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    # program (m tile, n tile, split): x[m tile, split's k] @ w[n tile, split's k]^T -> parts
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = split * k_len + tl.arange(0, BLOCK_K)
+    row_ok = offs_m[:, None] < M
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_x + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None]  # [K, N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for _ in range(0, k_len, BLOCK_K):  # the shapes divide exactly (split_k_linear checks)
+        acc = tl.dot(tl.load(x_ptrs, mask=row_ok, other=0.0), tl.load(w_ptrs), acc,
+                     input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = parts_ptr + split.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(out, acc, mask=row_ok)
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return SMS_OFF_GPU
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
+    """x [M, K] @ weight [N, K]^T as S partial products, S chosen to fill the GPU's SMs; None
+    where a split does not pay or the shapes do not divide into the tiles."""
+    m, k = x.shape
+    n = weight.shape[0]
+    tile = next((t for rows, t in TILES if m <= rows), None)
+    if tile is None or m == 0 or x.stride(1) != 1 or weight.stride(1) != 1:
+        return None
+    block_m, block_n, block_k, stages = tile
+    if n % block_n or k % block_k:
+        return None
+    tiles = triton.cdiv(m, block_m) * (n // block_n)
+    splits = min(MAX_SPLITS, triton.next_power_of_2(max(1, _sms(x.device) // tiles + 1)) // 2)
+    while splits > 1 and k % (splits * block_k):
+        splits //= 2
+    if splits < 2:  # enough tiles already: the plain matmul
+        return None
+    parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    _split_k_kernel[(triton.cdiv(m, block_m), n // block_n, splits)](
+        x, weight, parts, m, n, k, k // splits, x.stride(0), weight.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=stages)
+    return SplitK(parts, x.dtype)
