@@ -76,7 +76,7 @@ class Batch:
         )
         self.scale = D**-0.5
         self.kv_bytes = sum(clens) * HKV * D * 2 * DTYPE.itemsize
-        if kv != "bf16":  # "fp8-token" / "fp8-tensor": the cache's bytes (worker/kv_cache.py)
+        if kv.startswith("fp8"):  # "fp8-token" / "fp8-tensor": the bytes of worker/kv_cache.py
             width = ta.fp8_width(D, kv.startswith("fp8-token"))
             self.k_cache, self.v_cache = (
                 ta.quantize_fp8(c.view(-1, HKV, D), width).view(*shape[:3], width)
@@ -85,6 +85,10 @@ class Batch:
             if not kv.endswith("-rows"):  # V stored transposed in each block, as the engine's
                 self.v_cache = (self.v_cache.permute(0, 2, 3, 1).contiguous()
                                 .permute(0, 3, 1, 2))
+        if kv.endswith("-heads"):  # head-major blocks: a head's positions lie together
+            self.k_cache = self.k_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+            if kv == "bf16-heads":  # (an fp8 V is head-major already: transposed per head)
+                self.v_cache = self.v_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
         pairs = sum(sum(range(c - q + 1, c + 1)) for q, c in rows)
         self.flops = 4 * HQ * D * pairs
         self._expected = None
@@ -441,6 +445,22 @@ def decode_tile_table(table: Table, configs: dict[str, list], row_sets) -> None:
             del batch
 
 
+def kv_layout_table(table: Table) -> None:
+    """Each cache's decode, CUDA-graph times, with its blocks as the engine lays them out
+    (position-major: [block, position, head, width], a head's rows interleaved with the other
+    heads') against head-major blocks ([block, head, position, width]: one program's rows of a
+    block contiguous), seed and ragged contexts."""
+    for name, rows in (("decode seed contexts", seed_decode_rows(256)),
+                       ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000)),
+                       ("decode B=64 seed contexts", seed_decode_rows(64))):
+        for block_size, kv in ((16, "bf16"), (16, "bf16-heads"), (128, "fp8-token"),
+                               (128, "fp8-token-heads")):
+            case = f"{name} bs={block_size} {kv}"
+            if batch := make_batch(table, case, rows, block_size, kv):
+                run_triton(table, case, "engine", batch, graph=True)
+            del batch
+
+
 def fp8_register_table(table: Table) -> None:
     """The engine's fp8 decode at tiles and register caps (TileConfig.max_registers: at
     <= 128 registers a thread, 4 programs of 4 warps fit an SM's 64k registers, at the
@@ -566,6 +586,8 @@ def main() -> int:
                         help="only the engine's fp8 decode under register caps")
     parser.add_argument("--decode-buffers", action="store_true",
                         help="only both caches' decode at multi-buffered tiles")
+    parser.add_argument("--kv-layouts", action="store_true",
+                        help="only both caches' decode over position- and head-major blocks")
     parser.add_argument("--prefill", action="store_true",
                         help="only the prefill tile sweep (a seed prefill step, 8 x 512)")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[256],
@@ -590,6 +612,7 @@ def main() -> int:
              else (fp8_decode_table,) if args.fp8_decode
              else (fp8_register_table,) if args.fp8_registers
              else (decode_buffers_table,) if args.decode_buffers
+             else (kv_layout_table,) if args.kv_layouts
              else (main_table, None if args.quick else sweeps))
     for part in parts:
         if part is None:

@@ -33,6 +33,11 @@
 #                                     # engine's greedy tests, then the seed workload with
 #                                     # them (the default) against --no-split-k, alternating,
 #                                     # fp8 and bf16 caches
+#   bash scripts/gpu_plan.sh klayout  # an fp8 K cache head-major in each block
+#                                     # (kv_cache.FP8_K_HEAD_MAJOR, switched on in the tree
+#                                     # on the device): the fp8 GPU tests with it, then the
+#                                     # seed workload (its store included) alternating
+#                                     # head-major and position-major, twice
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -42,7 +47,7 @@
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, tiles, syncs or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, tiles, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -143,6 +148,21 @@ case "$stage" in
   buffers)
     timeout 300 python3 -m benchmarks.attention --decode-buffers 2>&1 \
       | tee "$OUT/decode_buffers.log" | tail -40 ;;
+  klayout)
+    flip() { sed -i "s/^FP8_K_HEAD_MAJOR = .*/FP8_K_HEAD_MAJOR = $1/" nanovllm/worker/kv_cache.py; }
+    flip True
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_fp8_kv.py \
+      tests/model/test_triton_fp8_decode.py tests/model/test_rope_store.py 2>&1 | tail -2 \
+      | tee "$OUT/klayout_tests.log"
+    for round in 1 2; do
+      for layout in True False; do
+        flip "$layout"
+        timeout 75 python3 -m benchmarks.offline --no-peer --kv-cache-dtype fp8 2>&1 \
+          | grep "^nano-vLLM  " | sed "s/^/round $round head-major $layout: /" \
+          | tee -a "$OUT/klayout.log"
+      done
+    done
+    flip False ;;
   splitk)
     [ -n "${SKIP_TESTS:-}" ] || timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_triton_linear.py \
       2>&1 | tail -2 | tee "$OUT/splitk_tests.log"

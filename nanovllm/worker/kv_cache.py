@@ -24,6 +24,11 @@ CPU_KV_CACHE_GIB = 2.0  # the CPU's default budget (kv_cache_gib overrides it)
 # an fp8 V cache transposed within each block (KVCache.bind); blocks of a power of 2 >= 16
 # tokens, so a KV tile of 16 or more positions lies in one block
 FP8_V_TRANSPOSED = True
+# an fp8 K cache head-major within each block (KVCache.bind): a decode program's K rows of a
+# block are one contiguous run instead of rows interleaved with the other heads'. The H200's
+# fp8 decode ran 1.02-1.04x faster over it (benchmarks/attention.py --kv-layouts); off until
+# the engine's store and the seed workload are measured with it on a GPU
+FP8_K_HEAD_MAJOR = False
 
 
 @dataclass(frozen=True)
@@ -122,10 +127,16 @@ class KVCache:
         block_size] bytes, a row per dimension, the block's positions contiguous (its view
         has unit stride over slots). P @ V contracts over positions, and fp8 values laid out
         the other way reach the tensor cores only one byte per load or through a second
-        trip through shared memory (kernels/triton_attention.py). The block keeps its bytes
-        and place, so the host tier copies it as any other."""
+        trip through shared memory (kernels/triton_attention.py). With FP8_K_HEAD_MAJOR an fp8
+        K cache is head-major within each block too ([heads, block_size, width]; its view
+        keeps the [blocks, block_size, Hkv, width] shape). The block keeps its bytes and
+        place, so the host tier copies it as any other."""
         for i, attn in enumerate(model.attention_layers()):
-            attn.k_cache = self.tensor[0, i]
+            k = self.tensor[0, i]
+            if self.v_transposed and FP8_K_HEAD_MAJOR:
+                nb, bs, heads, width = k.shape
+                k = k.view(nb, heads, bs, width).permute(0, 2, 1, 3)
+            attn.k_cache = k
             v = self.tensor[1, i]
             if self.v_transposed:
                 nb, bs, heads, width = v.shape

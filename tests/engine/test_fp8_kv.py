@@ -12,6 +12,7 @@ import torch
 from nanovllm import LLM, ConfigError, SamplingParams
 from nanovllm.kernels import torch_attention as ta
 from nanovllm.kernels.attention_metadata import AttentionMetadata
+from nanovllm.worker import kv_cache
 from tests.support import engine_logprobs, make_prompts
 
 D = 32
@@ -132,9 +133,14 @@ def test_fp8_settings_say_what_to_change(tiny_llama):
         LLM(str(tiny_llama), device="cpu", kv_cache_scales="head")
 
 
-def test_triton_engine_on_fp8_equals_the_torch_one(tiny_llama, triton_device):
+@pytest.mark.parametrize("k_head_major", [False, True], ids=["k-by-position", "k-by-head"])
+def test_triton_engine_on_fp8_equals_the_torch_one(tiny_llama, triton_device, k_head_major,
+                                                   monkeypatch):
     """The whole engine with the Triton kernels (on a CPU in Triton's interpreter) on an fp8
-    cache: the bytes the reference stores, the attention it computes, so the same tokens."""
+    cache: the bytes the reference stores, the attention it computes, so the same tokens;
+    with K's blocks laid out either way (kv_cache.FP8_K_HEAD_MAJOR), as every kernel and the
+    reference index the cache by its strides."""
+    monkeypatch.setattr(kv_cache, "FP8_K_HEAD_MAJOR", k_head_major)
     prompts = make_prompts(seed=4, count=4, shared_prefix=8)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     outs = {}
@@ -142,6 +148,8 @@ def test_triton_engine_on_fp8_equals_the_torch_one(tiny_llama, triton_device):
         llm = LLM(str(tiny_llama), device=triton_device, dtype="float32", enforce_eager=True,
                   kv_cache_dtype="fp8", num_kv_blocks=64, block_size=16,
                   attention_backend=backend)
+        k = llm.engine.runner.model.attention_layers()[0].k_cache
+        assert (k.stride(1) == k.shape[-1]) == k_head_major  # positions adjacent: head-major
         outs[backend] = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(outs["torch"], outs["triton"]):
         assert a.token_ids == b.token_ids
