@@ -69,6 +69,8 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     opts = engine_options(args)
     if args.decode_tile:
         set_decode_tile(args.decode_tile, args.kv_cache_dtype == "fp8")
+    if args.decode_group_rows:
+        set_decode_group_rows(args.decode_group_rows, args.kv_cache_dtype == "fp8")
     t0 = time.perf_counter()
     llm = LLM(args.model, **opts)
     load_s = time.perf_counter() - t0
@@ -136,6 +138,15 @@ def set_decode_tile(spec: str, fp8: bool) -> None:
                          "e.g. 128,4,5,128") from None
     tb.DECODE_TILES["fp8" if fp8 else "bf16"] = tb.TileConfig(
         16, block_n, warps, stages, max_registers=cap[0] if cap else None)
+
+
+def set_decode_group_rows(rows: int, fp8: bool) -> None:
+    """--decode-group-rows N: the decode's dots over max(N, the GQA group) rows instead of 16
+    (TileConfig.block_m of this run's cache's tiles)."""
+    from nanovllm.kernels import triton_attention as tb
+
+    key = "fp8" if fp8 else "bf16"
+    tb.DECODE_TILES[key] = dataclasses.replace(tb.DECODE_TILES[key], block_m=rows)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -267,6 +278,8 @@ def main() -> None:
     ap.add_argument("--decode-tile", metavar="N,W,S[,R]",
                     help="the decode kernel's tiles for this cache: positions, warps, stages "
                     "and a register cap (default: the engine's, triton_attention.DECODE_TILES)")
+    ap.add_argument("--decode-group-rows", type=int, metavar="N",
+                    help="the decode's dots over N rows (or the GQA group's) instead of 16")
     ap.add_argument("--sync-debug", action="store_true",
                     help="a diagnostic run: list the lines where the first timed run made the "
                     "host wait for the GPU (torch's sync debug mode; slower)")

@@ -38,6 +38,10 @@
 #                                     # on the device): the fp8 GPU tests with it, then the
 #                                     # seed workload (its store included) alternating
 #                                     # head-major and position-major, twice
+#   bash scripts/gpu_plan.sh grouprows # the decode's dots over the GQA group's heads only:
+#                                     # benchmarks/attention.py --group-rows, then the seed
+#                                     # workload with --decode-group-rows 2 against the
+#                                     # default (16 rows), alternating, fp8 and bf16, ROUNDS
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -47,11 +51,18 @@
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, tiles, syncs or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, tiles, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
   python3 -m benchmarks.random_model
+}
+offline() {  # offline LOG LABEL DTYPE [FLAGS...]: one seed-workload run (every timed run's
+  # line) into $OUT/LOG, each line labelled
+  local log=$1 label=$2 dtype=$3
+  shift 3
+  timeout "${OFFLINE_S:-90}" python3 -m benchmarks.offline --no-peer --kv-cache-dtype "$dtype" \
+    "$@" 2>&1 | grep -E "^nano-vLLM  |run [0-9]" | sed "s/^/$label: /" | tee -a "$OUT/$log"
 }
 case "$stage" in
   tests)
@@ -148,6 +159,17 @@ case "$stage" in
   buffers)
     timeout 300 python3 -m benchmarks.attention --decode-buffers 2>&1 \
       | tee "$OUT/decode_buffers.log" | tail -40 ;;
+  grouprows)
+    timeout 150 python3 -m benchmarks.attention --group-rows 2>&1 \
+      | tee "$OUT/group_rows.log" | tail -30
+    for round in $(seq "${ROUNDS:-2}"); do
+      for dtype in fp8 auto; do
+        for flags in "" "--decode-group-rows 2"; do
+          # shellcheck disable=SC2086
+          offline group_rows_offline.log "round $round $dtype ${flags:-16 rows}" "$dtype" $flags
+        done
+      done
+    done ;;
   klayout)
     flip() { sed -i "s/^FP8_K_HEAD_MAJOR = .*/FP8_K_HEAD_MAJOR = $1/" nanovllm/worker/kv_cache.py; }
     flip True
@@ -157,9 +179,7 @@ case "$stage" in
     for round in 1 2; do
       for layout in True False; do
         flip "$layout"
-        timeout 75 python3 -m benchmarks.offline --no-peer --kv-cache-dtype fp8 2>&1 \
-          | grep "^nano-vLLM  " | sed "s/^/round $round head-major $layout: /" \
-          | tee -a "$OUT/klayout.log"
+        offline klayout.log "round $round head-major $layout" fp8
       done
     done
     flip False ;;
@@ -172,9 +192,7 @@ case "$stage" in
       for dtype in fp8 auto; do
         for flags in "" "--no-split-k"; do
           # shellcheck disable=SC2086
-          timeout 90 python3 -m benchmarks.offline --no-peer --kv-cache-dtype "$dtype" $flags \
-            --repeat 2 2>&1 | grep -E "^nano-vLLM  |run 2" \
-            | sed "s/^/round $round $dtype ${flags:-split-k}: /" | tee -a "$OUT/splitk.log"
+          offline splitk.log "round $round $dtype ${flags:-split-k}" "$dtype" $flags --repeat 2
         done
       done
     done ;;
@@ -185,9 +203,7 @@ case "$stage" in
         [ -n "$tile" ] || continue
         for flags in "" "--decode-tile $tile"; do
           # shellcheck disable=SC2086
-          timeout 110 python3 -m benchmarks.offline --no-peer --kv-cache-dtype "$dtype" $flags \
-            2>&1 | grep "^nano-vLLM  " | sed "s/^/round $round $dtype ${flags:-default}: /" \
-            | tee -a "$OUT/tiles.log"
+          OFFLINE_S=110 offline tiles.log "round $round $dtype ${flags:-default}" "$dtype" $flags
         done
       done
     done ;;

@@ -96,7 +96,11 @@ FP8_MMA_TILE = 128
 class TileConfig:
     """Tile sizes and launch options of one kernel (tests shrink them; benchmarks sweep)."""
 
-    block_m: int  # prefill: query rows per program (tokens x padded GQA group); decode: unused
+    # prefill: query rows per program (tokens x padded GQA group); decode: the fewest rows
+    # of its dots (the GQA group's heads padded to a power of 2, at least block_m; Triton pads
+    # a dot under the tensor cores' 16 rows itself, but the softmax then works on the real
+    # rows only: benchmarks/attention.py --group-rows)
+    block_m: int
     block_n: int  # KV positions per tile; any multiple or fraction of the cache block size
     num_warps: int = 4
     num_stages: int = 2
@@ -794,7 +798,7 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
         ctx if order is None else order, scale_log2, num_splits,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_G=max(16, _pow2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_G=max(cfg.block_m, _pow2(group)),
         BLOCK_N=_block_n(cfg, k_cache, flags), WRITE_OUT=num_splits == 1,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, LONGEST_FIRST=order is not None, **flags,

@@ -178,6 +178,18 @@ def test_decode_split_counts_agree(triton_device):
         check_close(case.triton(num_splits=splits), expected, torch.float32, f"{splits} splits")
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("block_m", [1, 2, 16])
+@pytest.mark.parametrize("heads", [(4, 2), (8, 2), (4, 4)], ids=["group2", "group4", "mha"])
+def test_decode_dots_over_the_group_rows_only(triton_device, heads, block_m, splits):
+    """TileConfig.block_m under 16 gives the decode's dots only the GQA group's heads
+    (padded to a power of 2; Triton pads the dot itself): the same attention, with and
+    without splits, a padding row included."""
+    case = Case([(1, 150), (1, 20), (0, 0), (1, 64)], *heads, 64, 16, triton_device)
+    out = case.triton(decode_config=tb.TileConfig(block_m, 16), num_splits=splits)
+    check_close(out, case.reference(), torch.float32, f"block_m={block_m}")
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_longest_first_is_only_another_order(triton_device, splits):
     """Decode programs started longest row first compute what batch order computes, to the

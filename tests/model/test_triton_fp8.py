@@ -67,6 +67,20 @@ def transposed(cache: torch.Tensor) -> torch.Tensor:
     return view
 
 
+def finite_unread(v8: torch.Tensor, d: int, scaled: bool) -> torch.Tensor:
+    """A copy of an fp8 V cache whose unread slots hold the largest e4m3 value and a large
+    scale instead of NaN: over a transposed V the kernels read a tile's positions past the
+    context (in the same block), which must weigh nothing, but may not be NaN (the store
+    never writes one)."""
+    v8 = v8.clone()
+    values, scales = v8[..., :d], v8[..., d:d + 4]
+    unread = (values == NAN_BYTE).all(-1)
+    values[unread] = 0x7E
+    if scaled:
+        scales[unread] = torch.tensor([1e4]).view(torch.uint8).to(v8.device)
+    return v8
+
+
 @pytest.mark.parametrize("scaled", [True, False], ids=["token", "tensor"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_attention_over_a_transposed_v_cache(triton_device, case, scaled):
@@ -76,17 +90,30 @@ def test_attention_over_a_transposed_v_cache(triton_device, case, scaled):
     c, k8, v8, attend = fp8_case(case, scaled, triton_device)
     d = c.q.shape[-1]
     want = attend(k8, v8)
-    # this layout's kernels read a tile's positions past the context (in the same block):
-    # they must weigh nothing, but may not be NaN (the store never writes one), so the
-    # unread slots hold the largest e4m3 value and a large scale instead
-    v8 = v8.clone()
-    values, scales = v8[..., :d], v8[..., d:d + 4]
-    unread = (values == NAN_BYTE).all(-1)
-    values[unread] = 0x7E
-    if scaled:
-        scales[unread] = torch.tensor([1e4]).view(torch.uint8).to(v8.device)
+    v8 = finite_unread(v8, d, scaled)
     got = attend(k8, transposed(v8))
     check_close(got, want.double().cpu(), torch.float32, case[0])
+    kd, vd = (ta.dequantize_fp8(x, d, torch.float32) for x in (k8, v8))
+    check_close(got, reference(c.q, kd, vd, c.meta, c.scale), torch.float32, case[0])
+
+
+DECODE_CASES = [c for c in CASES if c[0].startswith("decode")]
+
+
+@pytest.mark.parametrize("block_m", [2, 16], ids=["group-rows", "16-rows"])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
+def test_decode_over_head_major_k_and_group_rows(triton_device, case, block_m):
+    """The decode over the layouts an engine may give it (V transposed per block, K
+    head-major per block: worker/kv_cache.py's FP8_K_HEAD_MAJOR) with its dots over the GQA
+    group's heads only (TileConfig.block_m=2: Triton pads the dot) or over 16 rows: the
+    attention over the same values."""
+    c, k8, v8, _ = fp8_case(case, True, triton_device)
+    d = c.q.shape[-1]
+    v8 = finite_unread(v8, d, True)
+    k_heads = k8.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    assert k_heads.stride(1) == k8.shape[-1]  # a head's positions adjacent in each block
+    got = tb.paged_attention(c.q, k_heads, transposed(v8), c.meta, c.scale,
+                             decode_config=tb.TileConfig(block_m, 16), num_splits=case[-1])
     kd, vd = (ta.dequantize_fp8(x, d, torch.float32) for x in (k8, v8))
     check_close(got, reference(c.q, kd, vd, c.meta, c.scale), torch.float32, case[0])
 
