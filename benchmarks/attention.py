@@ -462,12 +462,25 @@ def kv_layout_table(table: Table) -> None:
             del batch
 
 
+# fp8 decode tiles at dots of the group's 2 rows, (positions, warps, stages, register cap),
+# as Triton 3.9 compiles them for sm_90 (BENCHMARKS.md): 2 rows free registers and shared
+# memory, so 64-position tiles fit 5 programs an SM without a cap or a spill
+GROUP_ROWS_FP8_TILES = [
+    (128, 4, 2, None),  # 122 registers, 34 KB: 4 programs (with the engine's cap of 128,
+    # Triton 3.9 spilled 88 bytes and took 67 KB: 3 programs)
+    (128, 4, 3, None),  # 124 registers, 34 KB: 4 programs
+    (64, 4, 2, None),  # 95 registers, 17 KB: 5 programs
+    (64, 4, 3, None),  # 92 registers, 17 KB: 5 programs
+]
+
+
 def group_rows_table(table: Table) -> None:
     """Each cache's decode at its engine tiles with the dots' rows at 16 (the default) and at
     the GQA group's heads only (TileConfig.block_m; Qwen3-0.6B's group is 2): compiled for
     sm_90, the fp8 decode then has ~15% fewer instructions (half the softmax's arithmetic,
-    the HMMA count unchanged: Triton pads the dot), the bf16 one ~4%. With K head-major
-    blocks too (kv_cache.FP8_K_HEAD_MAJOR), as both may go together. CUDA-graph times."""
+    the HMMA count unchanged: Triton pads the dot), the bf16 one ~4%; then the fp8 decode at
+    GROUP_ROWS_FP8_TILES with 2 rows. Over K head-major blocks too (kv_cache.FP8_K_HEAD_MAJOR),
+    as both may go together. CUDA-graph times."""
     from nanovllm.kernels import triton_attention as tb
 
     for name, rows in (("decode seed contexts", seed_decode_rows(256)),
@@ -482,6 +495,10 @@ def group_rows_table(table: Table) -> None:
                 cfg = dataclasses.replace(engine, block_m=block_m)
                 run_triton(table, case, f"engine, dots of {block_m} rows", batch, graph=True,
                            decode_config=cfg)
+            for block_n, warps, stages, regs in GROUP_ROWS_FP8_TILES if kv != "bf16" else ():
+                cfg = tb.TileConfig(2, block_n, warps, stages, max_registers=regs)
+                run_triton(table, case, f"2 rows n{block_n} w{warps} s{stages} regs {regs or '-'}",
+                           batch, graph=True, decode_config=cfg)
             del batch
 
 

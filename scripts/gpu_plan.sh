@@ -39,9 +39,11 @@
 #                                     # seed workload (its store included) alternating
 #                                     # head-major and position-major, twice
 #   bash scripts/gpu_plan.sh grouprows # the decode's dots over the GQA group's heads only:
-#                                     # benchmarks/attention.py --group-rows, then the seed
-#                                     # workload with --decode-group-rows 2 against the
-#                                     # default (16 rows), alternating, fp8 and bf16, ROUNDS
+#                                     # benchmarks/attention.py --group-rows (SKIP_TABLE=1
+#                                     # skips it), then the seed workload with FP8_FLAGS /
+#                                     # BF16_FLAGS (default --decode-group-rows 2; e.g. add
+#                                     # --decode-tile 64,4,3) against the defaults,
+#                                     # alternating, ROUNDS times (1)
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -160,11 +162,13 @@ case "$stage" in
     timeout 300 python3 -m benchmarks.attention --decode-buffers 2>&1 \
       | tee "$OUT/decode_buffers.log" | tail -40 ;;
   grouprows)
-    timeout 150 python3 -m benchmarks.attention --group-rows 2>&1 \
-      | tee "$OUT/group_rows.log" | tail -30
-    for round in $(seq "${ROUNDS:-2}"); do
+    [ -n "${SKIP_TABLE:-}" ] || timeout 260 python3 -m benchmarks.attention --group-rows 2>&1 \
+      | tee "$OUT/group_rows.log" | tail -60
+    for round in $(seq "${ROUNDS:-1}"); do
       for dtype in fp8 auto; do
-        for flags in "" "--decode-group-rows 2"; do
+        if [ "$dtype" = fp8 ]; then ab=${FP8_FLAGS:---decode-group-rows 2}
+        else ab=${BF16_FLAGS:---decode-group-rows 2}; fi
+        for flags in "" "$ab"; do
           # shellcheck disable=SC2086
           offline group_rows_offline.log "round $round $dtype ${flags:-16 rows}" "$dtype" $flags
         done
