@@ -15,6 +15,7 @@ matmul. Only the Triton ops understand a SplitK; kernels.select_kernels gives th
 to an engine only with them.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,7 @@ def _split_k_kernel(x_ptr, w_ptr, parts_ptr, M, N, K, k_len, stride_x, stride_w,
     tl.store(out, acc, mask=row_ok)
 
 
+@functools.lru_cache(maxsize=8)
 def _sms(device: torch.device) -> int:
     if device.type != "cuda":
         return SMS_OFF_GPU

@@ -99,10 +99,14 @@ def test_engine_with_split_k_matches_transformers(tiny_model, hf_tiny_model, tri
     assert out == [hf_greedy(hf_tiny_model, p, 5) for p in prompts]
 
 
-def test_split_k_is_off_by_default_off_the_gpu_and_refused_without_fused_kernels(tiny_llama):
+def test_split_k_is_off_by_default_off_the_gpu_and_refused_where_it_cannot_run(
+        tiny_llama, triton_interpreter):
     assert not LLM(str(tiny_llama), device="cpu").engine.config.split_k
     with pytest.raises(ConfigError, match="split_k=True needs the fused kernels"):
-        LLM(str(tiny_llama), device="cpu", split_k=True)
+        LLM(str(tiny_llama), device="cpu", split_k=True, fused_kernels=False)
+    with pytest.raises(ConfigError, match="split_k=True is for one rank"):
+        LLM(str(tiny_llama), device="cpu", split_k=True, fused_kernels=True,
+            tensor_parallel_size=2)
 
 
 @pytest.mark.gpu
