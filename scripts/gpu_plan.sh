@@ -37,7 +37,8 @@
 #                                     # (kv_cache.FP8_K_HEAD_MAJOR, switched on in the tree
 #                                     # on the device): the fp8 GPU tests with it, then the
 #                                     # seed workload (its store included) alternating
-#                                     # head-major and position-major, twice
+#                                     # head-major and position-major, twice (KLAYOUT_FLAGS:
+#                                     # offline.py flags for both, e.g. --decode-group-rows 2)
 #   bash scripts/gpu_plan.sh grouprows # the decode's dots over the GQA group's heads only:
 #                                     # benchmarks/attention.py --group-rows (SKIP_TABLE=1
 #                                     # skips it), then the seed workload with FP8_FLAGS /
@@ -183,7 +184,8 @@ case "$stage" in
     for round in 1 2; do
       for layout in True False; do
         flip "$layout"
-        offline klayout.log "round $round head-major $layout" fp8
+        # shellcheck disable=SC2086
+        offline klayout.log "round $round head-major $layout" fp8 ${KLAYOUT_FLAGS:-}
       done
     done
     flip False ;;

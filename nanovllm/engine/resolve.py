@@ -50,6 +50,7 @@ def resolve_config(
                           f"[1, max_num_seqs={max_num_seqs}]")
     dtype = _dtype(config.dtype, model.dtype, device)
     block_size = _block_size(config, attention, cuda)
+    kernels = _kernels(config, cuda)
     return ResolvedConfig(
         device=device,
         dtype=dtype,
@@ -66,7 +67,7 @@ def resolve_config(
         admission_max_delay=config.admission_max_delay,
         cuda_graphs=graphs,
         overlap=cuda if config.overlap is None else config.overlap,
-        kernels=_kernels(config, cuda),
+        kernels=kernels,
         attention_backend=attention,
         seed=config.seed,
         num_threads=_threads(config, device),
@@ -82,7 +83,7 @@ def resolve_config(
         kv_cache_scales=config.kv_cache_scales,
         fp8_attention=_fp8_attention(config, attention, model, block_size),
         mixed_graphs=_mixed_graphs(config, graphs, attention),
-        split_k=_split_k(config, _kernels(config, cuda), cuda),
+        split_k=_split_k(config, kernels, cuda),
         all_reduce=_all_reduce(config, device, dtype),
     )
 
