@@ -157,6 +157,21 @@ def record_sampler() -> list:
     return calls
 
 
+def record_split_k() -> list:
+    """The split-K projection's launches (kernels/triton_linear.py) at each of its tiles, at
+    Qwen3-0.6B's o_proj and down_proj shapes in bf16, as a GPU engine makes them."""
+    import importlib
+
+    tl_ = importlib.reload(importlib.import_module("nanovllm.kernels.triton_linear"))
+    calls = []
+    tl_._split_k_kernel = Recorder(tl_._split_k_kernel, calls)
+    for rows, _ in tl_.TILES:
+        for k in (2048, 3072):
+            tl_.split_k_linear(torch.zeros(rows, k, dtype=torch.bfloat16),
+                               torch.zeros(1024, k, dtype=torch.bfloat16))
+    return calls
+
+
 def _resources(cubin: bytes | None) -> dict:
     """Registers a thread and spill bytes of a compiled kernel, read by the cuobjdump that
     ships with Triton; {} where it or the cubin is missing."""
@@ -236,6 +251,7 @@ def main() -> None:
     launches = [(case, call) for case, (kv_dtype, scales) in CASES.items()
                 for call in record(kv_dtype, scales)]
     launches += [("sampler", call) for call in record_sampler()]
+    launches += [("split-k", call) for call in record_split_k()]
     for case, (fn, args, kwargs) in launches:
         sig, consts, attrs, options = _signature(fn, args, dict(kwargs))
         out = {"kernel": fn.__name__, "case": case, "fp8_p": kwargs.get("FP8_P"),

@@ -1,6 +1,7 @@
 """The attention kernels compile for sm_90 (H100/H200) on this CPU machine, for a bf16 cache and
 both fp8 formats, and their K/V tiles load in vectors, not bytes (tests/model/sm90_ptx.py);
-the one-pass sampler compiles with its cheap noise; fp8_attention's kernels run their dots on
+the one-pass sampler compiles with its cheap noise, the split-K projection at each of its tiles
+on the tensor cores without spilling; fp8_attention's kernels run their dots on
 the fp8 tensor cores.
 The interpreter tests check what the kernels compute; this checks what only the compiler
 sees: code it rejects and loads it cannot vectorize (an fp8 row of head_dim + 4 bytes made the
@@ -36,6 +37,7 @@ def test_attention_kernels_compile_for_sm90_with_vector_loads():
                        "_reduce_kernel", "_prefill_kernel"):
             assert (kernel, case) in compiled, f"{kernel} was not launched for {case}"
     assert ("_gumbel_argmax_kernel", "sampler") in compiled
+    assert ("_split_k_kernel", "split-k") in compiled
     errors = [f"{r['kernel']} ({r['case']}): {r['error']}" for r in results if "error" in r]
     assert not errors, "\n".join(errors)
     for r in results:
@@ -90,6 +92,10 @@ def test_attention_kernels_compile_for_sm90_with_vector_loads():
     # their uniforms (a call per token was 257 wide multiplies) and the logarithms are the
     # hardware's (tl.log2's polynomial, 384 FMAs); it took 221 us a step at 256 rows on an
     # H200, 3.5% of a decode step
+    # the split-K projections (one launch per tile of its table) run on the tensor cores
+    for r in results:
+        if r["case"] == "split-k":
+            assert r["ops"]["wgmma"] + r["ops"]["mma.sync"] > 0, r
     sampler = next(r for r in results if r["case"] == "sampler")
     assert sampler["ops"]["mul.hi.u32"] <= 100, sampler
     assert sampler["ops"]["lg2.approx.f32"] > 0, sampler
