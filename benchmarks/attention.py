@@ -13,6 +13,9 @@
                                                      # and triple-buffered against the defaults
     python -m benchmarks.attention --fp8-registers  # the engine's fp8 decode under register
                                                     # caps (programs an SM), bf16 for scale
+    python -m benchmarks.attention --kv-layouts  # decode over position- and head-major blocks
+    python -m benchmarks.attention --group-rows  # decode dots over 16 rows or the GQA group's
+    (--fp8-registers, --decode-buffers, --kv-layouts, --group-rows: benchmarks/decode_tiles.py)
 
 Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf16).
 Times are `triton.testing.do_bench` medians (L2 flushed before each run); "graph" is the
@@ -24,7 +27,6 @@ error and the run goes on; the exit status is 1 if any case failed.
 """
 
 import argparse
-import dataclasses
 import functools
 import sys
 import traceback
@@ -424,133 +426,6 @@ def fp8_decode_table(table: Table) -> None:
             del batch
 
 
-def decode_tile_table(table: Table, configs: dict[str, list], row_sets) -> None:
-    """Each cache's decode kernel at its engine tiles, then at `configs[cache]` ((positions,
-    warps, stages, register cap) tuples; the engine's own tile is not timed twice), over
-    each of `row_sets` ((name, rows) pairs): the bf16 cache in blocks of 16, the fp8 cache
-    in blocks of 128 (an fp8 cache's on a GPU), CUDA-graph times."""
-    from nanovllm.kernels import triton_attention as tb
-
-    for name, rows in row_sets:
-        for cache, block_size, kv in (("bf16", 16, "bf16"), ("fp8", 128, "fp8-token")):
-            case = f"{name} bs={block_size} {cache}"
-            if not (batch := make_batch(table, case, rows, block_size, kv)):
-                continue
-            engine = tb.default_decode_config(D, DTYPE, fp8=cache == "fp8")
-            run_triton(table, case, f"engine {engine}", batch, graph=True)
-            for block_n, warps, stages, regs in configs[cache]:
-                cfg = tb.TileConfig(16, block_n, warps, stages, max_registers=regs)
-                if cfg != engine:
-                    run_triton(table, case, f"n{block_n} w{warps} s{stages} regs {regs or '-'}",
-                               batch, graph=True, decode_config=cfg)
-            del batch
-
-
-def kv_layout_table(table: Table) -> None:
-    """Each cache's decode, CUDA-graph times, with its blocks as the engine lays them out
-    (position-major: [block, position, head, width], a head's rows interleaved with the other
-    heads') against head-major blocks ([block, head, position, width]: one program's rows of a
-    block contiguous), seed and ragged contexts."""
-    for name, rows in (("decode seed contexts", seed_decode_rows(256)),
-                       ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000)),
-                       ("decode B=64 seed contexts", seed_decode_rows(64))):
-        for block_size, kv in ((16, "bf16"), (16, "bf16-heads"), (128, "fp8-token"),
-                               (128, "fp8-token-heads")):
-            case = f"{name} bs={block_size} {kv}"
-            if batch := make_batch(table, case, rows, block_size, kv):
-                run_triton(table, case, "engine", batch, graph=True)
-            del batch
-
-
-# fp8 decode tiles at dots of the group's 2 rows, (positions, warps, stages, register cap),
-# as Triton 3.9 compiles them for sm_90 (BENCHMARKS.md): 2 rows free registers and shared
-# memory, so 64-position tiles fit 5 programs an SM without a cap or a spill
-GROUP_ROWS_FP8_TILES = [
-    (128, 4, 2, None),  # 122 registers, 34 KB: 4 programs (with the engine's cap of 128,
-    # Triton 3.9 spilled 88 bytes and took 67 KB: 3 programs)
-    (128, 4, 3, None),  # 124 registers, 34 KB: 4 programs
-    (64, 4, 2, None),  # 95 registers, 17 KB: 5 programs
-    (64, 4, 3, None),  # 92 registers, 17 KB: 5 programs
-]
-
-
-def group_rows_table(table: Table) -> None:
-    """Each cache's decode at its engine tiles with the dots' rows at 16 (the default) and at
-    the GQA group's heads only (TileConfig.block_m; Qwen3-0.6B's group is 2): compiled for
-    sm_90, the fp8 decode then has ~15% fewer instructions (half the softmax's arithmetic,
-    the HMMA count unchanged: Triton pads the dot), the bf16 one ~4%; then the fp8 decode at
-    GROUP_ROWS_FP8_TILES with 2 rows. Over K head-major blocks too (kv_cache.FP8_K_HEAD_MAJOR),
-    as both may go together. CUDA-graph times."""
-    from nanovllm.kernels import triton_attention as tb
-
-    for name, rows in (("decode seed contexts", seed_decode_rows(256)),
-                       ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000)),
-                       ("decode B=64 seed contexts", seed_decode_rows(64))):
-        for block_size, kv in ((16, "bf16"), (128, "fp8-token"), (128, "fp8-token-heads")):
-            case = f"{name} bs={block_size} {kv}"
-            if not (batch := make_batch(table, case, rows, block_size, kv)):
-                continue
-            engine = tb.default_decode_config(D, DTYPE, fp8=kv.startswith("fp8"))
-            for block_m in (16, 8, 2):
-                cfg = dataclasses.replace(engine, block_m=block_m)
-                run_triton(table, case, f"engine, dots of {block_m} rows", batch, graph=True,
-                           decode_config=cfg)
-            for block_n, warps, stages, regs in GROUP_ROWS_FP8_TILES if kv != "bf16" else ():
-                cfg = tb.TileConfig(2, block_n, warps, stages, max_registers=regs)
-                run_triton(table, case, f"2 rows n{block_n} w{warps} s{stages} regs {regs or '-'}",
-                           batch, graph=True, decode_config=cfg)
-            del batch
-
-
-def fp8_register_table(table: Table) -> None:
-    """The engine's fp8 decode at tiles and register caps (TileConfig.max_registers: at
-    <= 128 registers a thread, 4 programs of 4 warps fit an SM's 64k registers, at the
-    default ~147 only 3), on the seed's decode contexts and ragged ones; the bf16 cache's
-    decode for scale."""
-    configs = [(block_n, warps, stages, regs)
-               for block_n, warps, stages in ((128, 4, 3), (128, 4, 2), (128, 8, 3), (64, 4, 3))
-               for regs in (None, 128, 96)]
-    decode_tile_table(table, {"bf16": [], "fp8": configs},
-                      (("decode seed contexts", seed_decode_rows(256)),
-                       ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000)),
-                       ("decode B=64 seed contexts", seed_decode_rows(64))))
-
-
-# Decode tiles whose K/V tiles Triton 3.6 double- or triple-buffers (compiled for sm_90
-# on a CPU, `ttg.local_alloc` of 2-3 tiles): at the engine's stages (2 or 3) each tile has
-# one buffer, and the next tile's cp.async is issued after the tile's dots (the loop's last
-# instructions in the SASS), so every tile waits out a load's full latency. (block_n, warps,
-# stages, register cap) -> its buffers, ptxas' registers and what fits an SM, by compile:
-DECODE_BUFFER_CONFIGS = {
-    "fp8": [
-        (128, 4, 2, 128),  # the default: 1 buffer, 128 regs, 41 KB: 4 programs an SM
-        (128, 4, 5, 128),  # 2 buffers, 75 KB: 3 programs
-        (128, 4, 7, 128),  # 3 buffers, 108 KB: 2 programs
-        (64, 4, 5, 128),  # 2 buffers of 64 positions, 110 regs, 39 KB: 4 programs
-        (64, 4, 7, 128),  # 3 buffers, 108 regs, 56 KB: 4 programs
-        (128, 8, 5, None),  # 2 buffers, 127 regs at 8 warps: 2 programs
-        (64, 4, 5, 96),  # 2 buffers, 96 regs (48 bytes spilled): 5 programs
-        (32, 4, 7, 96),  # 3 buffers of 32 positions, 88 regs, 30 KB: 5 programs
-        (32, 4, 9, None),  # 4 buffers, 92 regs, 38 KB: 5 programs
-    ],
-    "bf16": [
-        (64, 4, 3, None),  # the default: 1 buffer, 91 regs, 39 KB: 5 programs an SM
-        (64, 4, 5, None),  # 2 buffers, 140 regs, 73 KB: 3 programs
-        (32, 4, 5, None),  # 2 buffers of 32 positions, 72 regs, 38 KB: 5 programs
-        (32, 4, 7, None),  # 3 buffers, 71 regs, 55 KB: 4 programs
-    ],
-}
-
-
-def decode_buffers_table(table: Table) -> None:
-    """Both caches' decode kernels at tiles that multi-buffer their K/V loads
-    (DECODE_BUFFER_CONFIGS), against each cache's default, on the seed's decode contexts
-    and ragged ones (256 rows)."""
-    decode_tile_table(table, DECODE_BUFFER_CONFIGS,
-                      (("decode seed contexts", seed_decode_rows(256)),
-                       ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000))))
-
-
 def seed_decode_rows(num_rows: int, seed: int = 0) -> list[tuple[int, int]]:
     """Decode rows as the seed workload (bench.py) has them midway: prompts of 100-1,024
     tokens, outputs of 100-1,024, each row some way through its output."""
@@ -613,26 +488,26 @@ def decode_split_sweep(table: Table) -> None:
         del batch
 
 
+# one table instead of the main table and the sweeps; the first flag given, in this order,
+# wins (--fp8 with --prefill: the prefill tiles over the engine's fp8 cache)
+ONLY = (
+    ("--splits", "only the decode split sweep"),
+    ("--fp8", "only bf16 against fp8 caches, and the fp8 decode tile sweep"),
+    ("--ragged", "only decode over ragged contexts against the copy bandwidth"),
+    ("--prefill", "only the prefill tile sweep (a seed prefill step, 8 x 512)"),
+    ("--fp8-decode", "only the experimental fp8 decode against the engine's"),
+    ("--fp8-registers", "only the engine's fp8 decode under register caps"),
+    ("--decode-buffers", "only both caches' decode at multi-buffered tiles"),
+    ("--kv-layouts", "only both caches' decode over position- and head-major blocks"),
+    ("--group-rows", "only both caches' decode with dots of 16 rows against the group's"),
+)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="main table only, no sweeps")
-    parser.add_argument("--splits", action="store_true", help="only the decode split sweep")
-    parser.add_argument("--fp8", action="store_true",
-                        help="only bf16 against fp8 caches, and the fp8 decode tile sweep")
-    parser.add_argument("--ragged", action="store_true",
-                        help="only decode over ragged contexts against the copy bandwidth")
-    parser.add_argument("--fp8-decode", action="store_true",
-                        help="only the experimental fp8 decode against the engine's")
-    parser.add_argument("--fp8-registers", action="store_true",
-                        help="only the engine's fp8 decode under register caps")
-    parser.add_argument("--decode-buffers", action="store_true",
-                        help="only both caches' decode at multi-buffered tiles")
-    parser.add_argument("--group-rows", action="store_true",
-                        help="only both caches' decode with dots of 16 rows against the group's")
-    parser.add_argument("--kv-layouts", action="store_true",
-                        help="only both caches' decode over position- and head-major blocks")
-    parser.add_argument("--prefill", action="store_true",
-                        help="only the prefill tile sweep (a seed prefill step, 8 x 512)")
+    for flag, help_ in ONLY:
+        parser.add_argument(flag, action="store_true", help=help_)
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[256],
                         help="--fp8: the cache block sizes of its table (the engine's is 16)")
     args = parser.parse_args()
@@ -650,14 +525,14 @@ def main() -> int:
     if args.prefill and args.fp8:  # the prefill tiles over the engine's fp8 cache
         fp8 = functools.partial(prefill_sweep, kv="fp8-token")
         fp8.__name__ = "prefill_sweep"
-    parts = ((decode_split_sweep,) if args.splits else (fp8,) if args.fp8
-             else (ragged_table,) if args.ragged else (prefill_sweep,) if args.prefill
-             else (fp8_decode_table,) if args.fp8_decode
-             else (fp8_register_table,) if args.fp8_registers
-             else (decode_buffers_table,) if args.decode_buffers
-             else (kv_layout_table,) if args.kv_layouts
-             else (group_rows_table,) if args.group_rows
-             else (main_table, None if args.quick else sweeps))
+    from benchmarks import decode_tiles as dt  # (it imports this module)
+
+    tables = {"splits": decode_split_sweep, "fp8": fp8, "ragged": ragged_table,  # ONLY's
+              "prefill": prefill_sweep, "fp8_decode": fp8_decode_table,  # flags, in order
+              "fp8_registers": dt.fp8_register_table, "decode_buffers": dt.decode_buffers_table,
+              "kv_layouts": dt.kv_layout_table, "group_rows": dt.group_rows_table}
+    chosen = [fn for name, fn in tables.items() if getattr(args, name)]
+    parts = chosen[:1] or (main_table, None if args.quick else sweeps)
     for part in parts:
         if part is None:
             continue

@@ -170,10 +170,10 @@ def record_split_k() -> list:
         for k in (2048, 3072):
             tl_.split_k_linear(torch.zeros(rows, k, dtype=torch.bfloat16),
                                torch.zeros(1024, k, dtype=torch.bfloat16))
-        tl_.FUSE_SILU = True
+    tl_.FUSE_SILU = True
+    for rows, _ in tl_.TILES:
         tl_.split_k_linear(torch.zeros(rows, 6144, dtype=torch.bfloat16),
                            torch.zeros(1024, 3072, dtype=torch.bfloat16), gated=True)
-        tl_.FUSE_SILU = False
     return calls
 
 
@@ -207,13 +207,13 @@ SM_REGISTERS, SM_SHARED, SM_WARPS = 65536, 228 * 1024, 64
 
 
 def decode_tiles(compile, target) -> None:
-    """`--decode-tiles`: both caches' decode kernels compiled at benchmarks/attention.py's
+    """`--decode-tiles`: both caches' decode kernels compiled at benchmarks/decode_tiles.py's
     DECODE_BUFFER_CONFIGS: how many buffers Triton's pipeliner gave the K/V tiles (the
     largest shared allocation's leading dimension in the TTGIR), registers, spills, shared
     memory, and the programs an SM holds by those."""
     from triton.compiler import ASTSource
 
-    from benchmarks.attention import DECODE_BUFFER_CONFIGS
+    from benchmarks.decode_tiles import DECODE_BUFFER_CONFIGS
 
     for cache, (kv_dtype, scales) in (("bf16", CASES["bf16"]), ("fp8", CASES["fp8-token"])):
         fn, args, kwargs = next(c for c in record(kv_dtype, scales)
