@@ -28,7 +28,6 @@ import triton.language as tl
 TILES = ((16, (16, 64, 64, 4)), (128, (64, 64, 64, 4)), (256, (64, 128, 64, 3)))
 MAX_ROWS = TILES[-1][0]
 MAX_SPLITS = 8
-SMS_OFF_GPU = 132  # the split a CPU (Triton's interpreter, tests) picks: an H200's
 # down_proj's GEMM forms its input silu(gate) * up itself, tile by tile, from the gate_up
 # projection's output (`gated`): the SiLU-and-mul launch and its output go. Off until a GPU
 # measures it (benchmarks/offline.py --fuse-silu)
@@ -82,9 +81,11 @@ def _split_k_kernel(x_ptr, w_ptr, parts_ptr, M, N, K, k_len, stride_x, stride_w,
 
 @functools.lru_cache(maxsize=8)
 def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return SMS_OFF_GPU
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    # the attention's SM count (an H200's off the GPU); imported here, once a device, as
+    # triton_attention imports triton_ops, which imports this module
+    from nanovllm.kernels.triton_attention import _num_sms
+
+    return _num_sms(device)
 
 
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> SplitK | None:
