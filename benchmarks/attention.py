@@ -88,7 +88,13 @@ class Batch:
             if not kv.endswith("-rows"):  # V stored transposed in each block, as the engine's
                 self.v_cache = (self.v_cache.permute(0, 2, 3, 1).contiguous()
                                 .permute(0, 3, 1, 2))
-        if kv.endswith("-heads"):  # head-major blocks: a head's positions lie together
+        # head-major blocks, a head's positions together: "-heads", or an fp8 K as the engine
+        # stores it (kv_cache.FP8_K_HEAD_MAJOR) unless "-kpos" (position-major) or "-rows"
+        from nanovllm.worker import kv_cache
+
+        engine_k = (kv.startswith("fp8") and kv_cache.FP8_K_HEAD_MAJOR
+                    and not kv.endswith(("-kpos", "-rows")))
+        if kv.endswith("-heads") or engine_k:
             self.k_cache = self.k_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
             if kv == "bf16-heads":  # (an fp8 V is head-major already: transposed per head)
                 self.v_cache = self.v_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)

@@ -44,14 +44,14 @@ def decode_tile_table(table: Table, configs: dict[str, list], row_sets) -> None:
 
 
 def kv_layout_table(table: Table) -> None:
-    """Each cache's decode, CUDA-graph times, with its blocks as the engine lays them out
-    (position-major: [block, position, head, width], a head's rows interleaved with the other
-    heads') against head-major blocks ([block, head, position, width]: one program's rows of a
-    block contiguous), seed and ragged contexts."""
+    """Each cache's decode, CUDA-graph times, with position-major blocks ([block, position,
+    head, width], a head's rows interleaved with the other heads'; a bf16 cache's, and an fp8
+    K's before kv_cache.FP8_K_HEAD_MAJOR) against head-major blocks ([block, head, position,
+    width]: one program's rows of a block contiguous), seed and ragged contexts."""
     for name, rows in (("decode seed contexts", seed_decode_rows(256)),
                        ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000)),
                        ("decode B=64 seed contexts", seed_decode_rows(64))):
-        for block_size, kv in ((16, "bf16"), (16, "bf16-heads"), (128, "fp8-token"),
+        for block_size, kv in ((16, "bf16"), (16, "bf16-heads"), (128, "fp8-token-kpos"),
                                (128, "fp8-token-heads")):
             case = f"{name} bs={block_size} {kv}"
             if batch := make_batch(table, case, rows, block_size, kv):
@@ -72,18 +72,18 @@ GROUP_ROWS_FP8_TILES = [
 
 
 def group_rows_table(table: Table) -> None:
-    """Each cache's decode at its engine tiles with the dots' rows at 16 (the default) and at
-    the GQA group's heads only (TileConfig.block_m; Qwen3-0.6B's group is 2): compiled for
-    sm_90, the fp8 decode then has ~15% fewer instructions (half the softmax's arithmetic,
-    the HMMA count unchanged: Triton pads the dot), the bf16 one ~4%; then the fp8 decode at
-    GROUP_ROWS_FP8_TILES with 2 rows. Over K head-major blocks too (kv_cache.FP8_K_HEAD_MAJOR),
-    as both may go together. CUDA-graph times."""
+    """Each cache's decode at its engine tiles with the dots' rows at 16 (the default before
+    2026-12-01) and at the GQA group's heads only (TileConfig.block_m; Qwen3-0.6B's group is
+    2): compiled for sm_90, the fp8 decode then has ~15% fewer instructions (half the softmax's
+    arithmetic, the HMMA count unchanged: Triton pads the dot), the bf16 one ~4%; then the
+    fp8 decode at GROUP_ROWS_FP8_TILES with 2 rows. Over position-major and head-major K
+    blocks (kv_cache.FP8_K_HEAD_MAJOR), as both may go together. CUDA-graph times."""
     from nanovllm.kernels import triton_attention as tb
 
     for name, rows in (("decode seed contexts", seed_decode_rows(256)),
                        ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000)),
                        ("decode B=64 seed contexts", seed_decode_rows(64))):
-        for block_size, kv in ((16, "bf16"), (128, "fp8-token"), (128, "fp8-token-heads")):
+        for block_size, kv in ((16, "bf16"), (128, "fp8-token-kpos"), (128, "fp8-token-heads")):
             case = f"{name} bs={block_size} {kv}"
             if not (batch := make_batch(table, case, rows, block_size, kv)):
                 continue

@@ -140,13 +140,14 @@ def set_decode_tile(spec: str, fp8: bool) -> None:
     except ValueError:
         raise SystemExit(f"--decode-tile {spec!r}: give POSITIONS,WARPS,STAGES[,REGISTERS], "
                          "e.g. 128,4,5,128") from None
-    tb.DECODE_TILES["fp8" if fp8 else "bf16"] = tb.TileConfig(
-        16, block_n, warps, stages, max_registers=cap[0] if cap else None)
+    key = "fp8" if fp8 else "bf16"
+    tb.DECODE_TILES[key] = tb.TileConfig(tb.DECODE_TILES[key].block_m, block_n, warps, stages,
+                                         max_registers=cap[0] if cap else None)
 
 
 def set_decode_group_rows(rows: int, fp8: bool) -> None:
-    """--decode-group-rows N: the decode's dots over max(N, the GQA group) rows instead of 16
-    (TileConfig.block_m of this run's cache's tiles)."""
+    """--decode-group-rows N: the decode's dots over max(N, the GQA group) rows instead of the
+    group's only (TileConfig.block_m of this run's cache's tiles; 16 was the default)."""
     from nanovllm.kernels import triton_attention as tb
 
     key = "fp8" if fp8 else "bf16"
@@ -285,7 +286,8 @@ def main() -> None:
                     help="the decode kernel's tiles for this cache: positions, warps, stages "
                     "and a register cap (default: the engine's, triton_attention.DECODE_TILES)")
     ap.add_argument("--decode-group-rows", type=int, metavar="N",
-                    help="the decode's dots over N rows (or the GQA group's) instead of 16")
+                    help="the decode's dots over N rows (or the GQA group's, if more) "
+                    "instead of the group's only (16: before 2026-12-01)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="a diagnostic run: list the lines where the first timed run made the "
                     "host wait for the GPU (torch's sync debug mode; slower)")

@@ -42,8 +42,8 @@
 #   bash scripts/gpu_plan.sh grouprows # the decode's dots over the GQA group's heads only:
 #                                     # benchmarks/attention.py --group-rows (SKIP_TABLE=1
 #                                     # skips it), then the seed workload with FP8_FLAGS /
-#                                     # BF16_FLAGS (default --decode-group-rows 2; e.g. add
-#                                     # --decode-tile 64,4,3) against the defaults,
+#                                     # BF16_FLAGS (default --decode-group-rows 16, the old
+#                                     # default; e.g. --decode-tile 64,4,3) against the defaults,
 #                                     # alternating, ROUNDS times (1)
 #   bash scripts/gpu_plan.sh silu     # down_proj's split-K forming silu(gate) * up itself: its
 #                                     # GPU tests, then --fuse-silu against the default at 16
@@ -171,11 +171,11 @@ case "$stage" in
       | tee "$OUT/group_rows.log" | tail -60
     for round in $(seq "${ROUNDS:-1}"); do
       for dtype in fp8 auto; do
-        if [ "$dtype" = fp8 ]; then ab=${FP8_FLAGS:---decode-group-rows 2}
-        else ab=${BF16_FLAGS:---decode-group-rows 2}; fi
+        if [ "$dtype" = fp8 ]; then ab=${FP8_FLAGS:---decode-group-rows 16}
+        else ab=${BF16_FLAGS:---decode-group-rows 16}; fi
         for flags in "" "$ab"; do
           # shellcheck disable=SC2086
-          offline group_rows_offline.log "round $round $dtype ${flags:-16 rows}" "$dtype" $flags
+          offline group_rows_offline.log "round $round $dtype ${flags:-group rows}" "$dtype" $flags
         done
       done
     done ;;

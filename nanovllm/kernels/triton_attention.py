@@ -155,11 +155,15 @@ def default_decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
 # capped at 128 (a few bytes spilled), 4 fit: on the H200 the seed's decode contexts read
 # 1.04x faster, ragged ones 1.06x (benchmarks/attention.py --fp8-registers). bf16 d128: ~91
 # registers, 39 KB of shared memory, so 5 programs fit an SM. At these stages each K/V tile
-# has one buffer (`python -m tests.model.sm90_ptx --decode-tiles`; BENCHMARKS.md)
+# has one buffer (`python -m tests.model.sm90_ptx --decode-tiles`; BENCHMARKS.md).
+# block_m=1: the dots span the GQA group's heads only (padded to a power of 2; Triton pads
+# them to the tensor cores' 16 rows), not 16 rows of which the softmax works on 14 padding
+# rows: the H200's fp8 decode 1.03-1.04x, the seed workload 1.05x; bf16 decode 1.01x
+# (benchmarks/attention.py --group-rows, BENCHMARKS.md)
 DECODE_TILES = {
-    "fp8": TileConfig(block_m=16, block_n=128, num_warps=4, num_stages=2,
+    "fp8": TileConfig(block_m=1, block_n=128, num_warps=4, num_stages=2,
                       max_registers=FP8_DECODE_REGISTERS),
-    "bf16": TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3),
+    "bf16": TileConfig(block_m=1, block_n=64, num_warps=4, num_stages=3),
 }
 
 

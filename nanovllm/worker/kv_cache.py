@@ -26,9 +26,9 @@ CPU_KV_CACHE_GIB = 2.0  # the CPU's default budget (kv_cache_gib overrides it)
 FP8_V_TRANSPOSED = True
 # an fp8 K cache head-major within each block (KVCache.bind): a decode program's K rows of a
 # block are one contiguous run instead of rows interleaved with the other heads'. The H200's
-# fp8 decode ran 1.02-1.04x faster over it (benchmarks/attention.py --kv-layouts); off until
-# the engine's store and the seed workload are measured with it on a GPU
-FP8_K_HEAD_MAJOR = False
+# fp8 decode ran 1.02-1.04x faster over it (benchmarks/attention.py --kv-layouts), the seed
+# workload (its store included) 1.01x (scripts/gpu_plan.sh klayout; BENCHMARKS.md)
+FP8_K_HEAD_MAJOR = True
 
 
 @dataclass(frozen=True)
