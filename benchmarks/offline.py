@@ -71,10 +71,6 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         set_decode_tile(args.decode_tile, args.kv_cache_dtype == "fp8")
     if args.decode_group_rows:
         set_decode_group_rows(args.decode_group_rows, args.kv_cache_dtype == "fp8")
-    if args.fuse_silu:  # down_proj's split-K GEMM forms silu(gate) * up itself
-        from nanovllm.kernels import triton_linear
-
-        triton_linear.FUSE_SILU = True
     t0 = time.perf_counter()
     llm = LLM(args.model, **opts)
     load_s = time.perf_counter() - t0
@@ -266,8 +262,6 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="engine option torch_compile=True")
     ap.add_argument("--no-fused", action="store_true", help="engine option fused_kernels=False")
     ap.add_argument("--no-split-k", action="store_true", help="engine option split_k=False")
-    ap.add_argument("--fuse-silu", action="store_true",
-                    help="down_proj's split-K GEMM forms silu(gate) * up (triton_linear.FUSE_SILU)")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs in one process")
     ap.add_argument("--alternate-overlap", action="store_true",
                     help="with --repeat: flip overlap before each further run (A/B)")

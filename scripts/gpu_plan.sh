@@ -45,10 +45,6 @@
 #                                     # BF16_FLAGS (default --decode-group-rows 16, the old
 #                                     # default; e.g. --decode-tile 64,4,3) against the defaults,
 #                                     # alternating, ROUNDS times (1)
-#   bash scripts/gpu_plan.sh silu     # down_proj's split-K forming silu(gate) * up itself: its
-#                                     # GPU tests, then --fuse-silu against the default at 16
-#                                     # sequences and on the seed workload (fp8, bf16),
-#                                     # alternating, ROUNDS times (1)
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -58,7 +54,7 @@
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, silu, tiles, syncs or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, tiles, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -176,22 +172,6 @@ case "$stage" in
         for flags in "" "$ab"; do
           # shellcheck disable=SC2086
           offline group_rows_offline.log "round $round $dtype ${flags:-group rows}" "$dtype" $flags
-        done
-      done
-    done ;;
-  silu)
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_triton_linear.py \
-      2>&1 | tail -2 | tee "$OUT/silu_tests.log"
-    for round in $(seq "${ROUNDS:-1}"); do
-      for flags in "" "--fuse-silu"; do
-        # shellcheck disable=SC2086
-        offline silu.log "round $round 16 seqs ${flags:-silu kernel}" auto --num-seqs 16 \
-          --repeat 2 $flags
-      done
-      for dtype in fp8 auto; do
-        for flags in "" "--fuse-silu"; do
-          # shellcheck disable=SC2086
-          offline silu.log "round $round $dtype ${flags:-silu kernel}" "$dtype" $flags
         done
       done
     done ;;

@@ -28,10 +28,6 @@ import triton.language as tl
 TILES = ((16, (16, 64, 64, 4)), (128, (64, 64, 64, 4)), (256, (64, 128, 64, 3)))
 MAX_ROWS = TILES[-1][0]
 MAX_SPLITS = 8
-# down_proj's GEMM forms its input silu(gate) * up itself, tile by tile, from the gate_up
-# projection's output (`gated`): the SiLU-and-mul launch and its output go. Off until a GPU
-# measures it (benchmarks/offline.py --fuse-silu)
-FUSE_SILU = False
 
 
 @dataclass(frozen=True)
@@ -53,10 +49,8 @@ class SplitK:
 @triton.jit
 def _split_k_kernel(x_ptr, w_ptr, parts_ptr, M, N, K, k_len, stride_x, stride_w,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr, GATED: tl.constexpr = False):
-    # program (m tile, n tile, split): x[m tile, split's k] @ w[n tile, split's k]^T -> parts;
-    # GATED: x is [gate | up] (2K columns) and the input is silu(gate) * up, rounded as
-    # triton_ops.silu_and_mul (and torch) round it
+                    PRECISION: tl.constexpr):
+    # program (m tile, n tile, split): x[m tile, split's k] @ w[n tile, split's k]^T -> parts
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -66,13 +60,8 @@ def _split_k_kernel(x_ptr, w_ptr, parts_ptr, M, N, K, k_len, stride_x, stride_w,
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None]  # [K, N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for _ in range(0, k_len, BLOCK_K):  # the shapes divide exactly (split_k_linear checks)
-        a = tl.load(x_ptrs, mask=row_ok, other=0.0)
-        if GATED:
-            up = tl.load(x_ptrs + K, mask=row_ok, other=0.0)
-            g = a.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(a.dtype).to(tl.float32)
-            a = (act * up.to(tl.float32)).to(a.dtype)
-        acc = tl.dot(a, tl.load(w_ptrs), acc, input_precision=PRECISION)
+        acc = tl.dot(tl.load(x_ptrs, mask=row_ok, other=0.0), tl.load(w_ptrs), acc,
+                     input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out = parts_ptr + split.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
@@ -88,16 +77,12 @@ def _sms(device: torch.device) -> int:
     return _num_sms(device)
 
 
-def split_k_linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> SplitK | None:
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
     """x [M, K] @ weight [N, K]^T as S partial products, S chosen to fill the GPU's SMs; None
-    where a split does not pay or the shapes do not divide into the tiles. `gated`: x is
-    [M, 2K], [gate | up], and the product is silu(gate) * up @ weight^T (None unless
-    FUSE_SILU)."""
-    if gated and not FUSE_SILU:
-        return None
+    where a split does not pay or the shapes do not divide into the tiles."""
     m, k = x.shape[0], weight.shape[1]
-    if x.shape[1] != (2 * k if gated else k):
-        raise ValueError(f"x of {x.shape[1]} columns for a weight of {k} inputs (gated={gated})")
+    if x.shape[1] != k:
+        raise ValueError(f"x of {x.shape[1]} columns for a weight of {k} inputs")
     n = weight.shape[0]
     tile = next((t for rows, t in TILES if m <= rows), None)
     if tile is None or m == 0 or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -115,6 +100,6 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -
     _split_k_kernel[(triton.cdiv(m, block_m), n // block_n, splits)](
         x, weight, parts, m, n, k, k // splits, x.stride(0), weight.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GATED=gated,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=stages)
     return SplitK(parts, x.dtype)

@@ -159,8 +159,7 @@ def record_sampler() -> list:
 
 def record_split_k() -> list:
     """The split-K projection's launches (kernels/triton_linear.py) at each of its tiles, at
-    Qwen3-0.6B's o_proj and down_proj shapes in bf16, as a GPU engine makes them; and
-    down_proj's forming silu(gate) * up itself (FUSE_SILU)."""
+    Qwen3-0.6B's o_proj and down_proj shapes in bf16, as a GPU engine makes them."""
     import importlib
 
     tl_ = importlib.reload(importlib.import_module("nanovllm.kernels.triton_linear"))
@@ -170,10 +169,6 @@ def record_split_k() -> list:
         for k in (2048, 3072):
             tl_.split_k_linear(torch.zeros(rows, k, dtype=torch.bfloat16),
                                torch.zeros(1024, k, dtype=torch.bfloat16))
-    tl_.FUSE_SILU = True
-    for rows, _ in tl_.TILES:
-        tl_.split_k_linear(torch.zeros(rows, 6144, dtype=torch.bfloat16),
-                           torch.zeros(1024, 3072, dtype=torch.bfloat16), gated=True)
     return calls
 
 

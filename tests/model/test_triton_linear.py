@@ -29,22 +29,21 @@ def randn(*shape, device, dtype, seed, scale=1.0) -> torch.Tensor:
     return (scale * torch.randn(*shape, generator=gen)).to(device, dtype)
 
 
-def check(rows: int, k: int, n: int, dtype, device, gated: bool = False) -> int:
+def check(rows: int, k: int, n: int, dtype, device) -> int:
     """split_k_linear then add_rms_norm against F.linear then torch's add_rms_norm; returns
-    the number of partials. `gated`: the input is [gate | up] and the product is torch's
-    silu_and_mul of it times the weight."""
-    x = randn(rows, 2 * k if gated else k, device=device, dtype=dtype, seed=1)
+    the number of partials."""
+    x = randn(rows, k, device=device, dtype=dtype, seed=1)
     w = randn(n, k, device=device, dtype=dtype, seed=2, scale=k ** -0.5)
     residual = randn(rows, n, device=device, dtype=dtype, seed=3)
     norm_w = (1 + 0.1 * randn(n, device=device, dtype=torch.float32, seed=4)).to(dtype)
-    plain = F.linear(ref.silu_and_mul(x) if gated else x, w)
-    expected_out, expected_res = ref.add_rms_norm(plain, residual.clone(), norm_w, 1e-6)
+    expected_out, expected_res = ref.add_rms_norm(F.linear(x, w), residual.clone(), norm_w, 1e-6)
 
-    partials = linear.split_k_linear(x, w, gated=gated)
+    partials = linear.split_k_linear(x, w)
     assert isinstance(partials, linear.SplitK) and partials.shape == (rows, n)
     assert partials.parts.dtype == torch.float32 and partials.dtype == dtype
     atol, rtol = TOL[dtype]
-    torch.testing.assert_close(partials.sum().float(), plain.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(partials.sum().float(), F.linear(x, w).float(), atol=atol,
+                               rtol=rtol)
     out, new_res = fused.add_rms_norm(partials, residual, norm_w, 1e-6)
     assert new_res is residual, "the sum goes into the residual in place, as without a split"
     for got, want in ((out, expected_out), (new_res, expected_res)):
@@ -61,21 +60,9 @@ def test_split_k_then_norm_matches_matmul_then_norm(triton_device, rows, dtype):
     assert check(rows, 256, 128, dtype, triton_device) == 4
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows", [1, 16, 100, 256])
-def test_gated_split_k_forms_silu_and_mul_itself(triton_device, rows, dtype, monkeypatch):
-    # down_proj's GEMM reading gate_up's output (FUSE_SILU): torch's silu(gate) * up, rounded
-    # as torch rounds it, times the weight
-    monkeypatch.setattr(linear, "FUSE_SILU", True)
-    assert check(rows, 256, 128, dtype, triton_device, gated=True) == 4
-
-
-def test_gated_split_k_is_off_unless_asked():
-    x, w = torch.randn(4, 512), torch.randn(128, 256)
-    assert linear.split_k_linear(x, w, gated=True) is None  # FUSE_SILU off: the model then
-    # runs silu_and_mul and the plain split
+def test_split_k_refuses_an_input_of_another_width():
     with pytest.raises(ValueError, match="512 columns for a weight of 256 inputs"):
-        linear.split_k_linear(x, w)
+        linear.split_k_linear(torch.randn(4, 512), torch.randn(128, 256))
 
 
 @pytest.mark.parametrize("rows,k,n", [(257, 256, 64), (4, 96, 64), (4, 256, 48), (4, 64, 64),
@@ -97,21 +84,10 @@ ENGINE = dict(device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens
               fused_kernels=True, attention_backend="triton")
 
 
-@pytest.mark.parametrize("fuse_silu", [False, True], ids=["silu-kernel", "silu-in-gemm"])
 def test_engine_with_split_k_matches_transformers(tiny_model, hf_tiny_model, triton_interpreter,
-                                                  monkeypatch, fuse_silu):
+                                                  monkeypatch):
     # the tiny models' down_proj (K=128) splits in two; Qwen3's o_proj too, Llama's (K=64)
     # does not: both paths run in one model
-    monkeypatch.setattr(linear, "FUSE_SILU", fuse_silu)
-    silu_calls = [0]
-    silu_kernel = fused._silu_and_mul_kernel
-
-    class CountedSilu:  # the kernel's launches (the engine holds silu_and_mul itself)
-        def __getitem__(self, grid):
-            silu_calls[0] += 1
-            return silu_kernel[grid]
-
-    monkeypatch.setattr(fused, "_silu_and_mul_kernel", CountedSilu())
     summed = [0]
     original = fused._launch_norm
 
@@ -125,7 +101,6 @@ def test_engine_with_split_k_matches_transformers(tiny_model, hf_tiny_model, tri
     prompts = make_prompts(seed=5, count=3)
     out = [o.token_ids for o in llm.generate(prompts, greedy(5), use_tqdm=False)]
     assert summed[0] > 0, "no norm summed split-K partials"
-    assert (silu_calls[0] == 0) == fuse_silu, "SiLU-and-mul ran as its own kernel or did not"
     assert out == [hf_greedy(hf_tiny_model, p, 5) for p in prompts]
 
 
@@ -150,15 +125,3 @@ def test_gpu_split_k_at_model_shapes(rows, k, n, dtype):
         assert n == 4096 and rows > 16
         return
     check(rows, k, n, dtype, "cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 16, 64, 256])
-@pytest.mark.parametrize("k", [3072, 12288])
-def test_gpu_gated_split_k_at_model_shapes(rows, k, monkeypatch):
-    monkeypatch.setattr(linear, "FUSE_SILU", True)
-    if linear.split_k_linear(torch.zeros(rows, 2 * k, device="cuda", dtype=torch.bfloat16),
-                             torch.zeros(1024, k, device="cuda", dtype=torch.bfloat16),
-                             gated=True) is None:
-        pytest.fail("down_proj's shapes split at up to 256 rows")
-    check(rows, k, 1024, torch.bfloat16, "cuda", gated=True)

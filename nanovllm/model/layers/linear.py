@@ -89,15 +89,6 @@ class Linear(nn.Module):
         self.weight.data.copy_(torch.cat([p.dequantize() for p in parts]))
         return "dense (dequantized)"
 
-    def of_gated(self, h: torch.Tensor, silu_and_mul: Callable) -> torch.Tensor:
-        """This projection of silu_and_mul(h), h = [gate | up]; where the split-K GEMM forms
-        that input itself (triton_linear.FUSE_SILU), without the separate SiLU-and-mul."""
-        if self.split_k is not None and self.packed is None:
-            partials = self.split_k(h, self.weight, gated=True)
-            if partials is not None:
-                return partials
-        return self(silu_and_mul(h))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_k is not None and self.packed is None:
             partials = self.split_k(x, self.weight)  # None: more rows than a split pays for

@@ -70,7 +70,7 @@ class MLP(nn.Module):
         self.silu_and_mul = kernels.silu_and_mul  # silu(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.of_gated(self.gate_up_proj(x), self.silu_and_mul)
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
