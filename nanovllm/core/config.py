@@ -78,7 +78,13 @@ class EngineConfig:
     # None: on with the fused kernels on a GPU, one rank
     split_k: bool | None = None
     torch_compile: bool = False  # fuse norms/RoPE/SiLU with torch.compile (see BENCHMARKS)
-    attention_backend: str = "auto"  # auto (triton on CUDA, else torch) | triton | torch
+    # CPU: norms, RoPE, SiLU, the K/V store and decode attention in C (kernels/cpu_native.c,
+    # built with the system's C compiler on first use). None: on a CPU in float32 where a
+    # compiler is found (else the torch kernels, said at start-up); True: required
+    native_kernels: bool | None = None
+    # auto (triton on CUDA; on a CPU native with native_kernels, else torch) | triton |
+    # native | torch
+    attention_backend: str = "auto"
     overlap: bool | None = None  # schedule step N+1 while the GPU runs step N (None: on GPU)
     seed: int = 0
     # CPU: torch intra-op threads, fixed. None: torch's default, fewer while other processes
@@ -175,8 +181,8 @@ class EngineConfig:
             bad("fp8_attention", "it reads an fp8 KV cache: set kv_cache_dtype='fp8' too")
         if self.device not in ("auto", "cpu", "cuda"):
             bad("device", "choose auto, cpu or cuda")
-        if self.attention_backend not in ("auto", "triton", "torch"):
-            bad("attention_backend", "choose auto, triton or torch")
+        if self.attention_backend not in ("auto", "triton", "native", "torch"):
+            bad("attention_backend", "choose auto, triton, native or torch")
         if self.max_model_len is not None and self.max_model_len < 1:
             bad("max_model_len", "use a positive integer")
         if self.weight_format not in ("auto", "int4", "int4-bf16", "dense"):
@@ -203,8 +209,8 @@ class ResolvedConfig:
     admission_max_delay: int
     cuda_graphs: bool
     overlap: bool
-    kernels: str  # norms/RoPE/SiLU/sampler: "triton" | "torch" | "compiled"
-    attention_backend: str  # "triton" | "torch"
+    kernels: str  # norms/RoPE/SiLU/sampler: "triton" | "native" | "torch" | "compiled"
+    attention_backend: str  # "triton" | "native" | "torch"
     seed: int
     num_threads: int | None
     weight_format: str = "dense"  # "int4" | "int4-bf16" | "dense"

@@ -40,7 +40,9 @@ def resolve_config(
             f"{context} tokens (max_position_embeddings); use at most {context}"
         )
     graphs = cuda and not config.enforce_eager
-    attention = _attention(config.attention_backend, cuda)
+    dtype = _dtype(config.dtype, model.dtype, device)
+    native = _native(config, cuda, dtype)
+    attention = _attention(config.attention_backend, cuda, native)
     max_num_seqs, max_num_batched_tokens = _step_limits(config, cuda)
     admission = config.admission_batch
     if admission is None:  # graphs make decode-only steps the cheap ones
@@ -48,9 +50,8 @@ def resolve_config(
     if admission > max_num_seqs:
         raise ConfigError(f"admission_batch={admission} is invalid: use an integer in "
                           f"[1, max_num_seqs={max_num_seqs}]")
-    dtype = _dtype(config.dtype, model.dtype, device)
     block_size = _block_size(config, attention, cuda)
-    kernels = _kernels(config, cuda)
+    kernels = _kernels(config, cuda, native)
     return ResolvedConfig(
         device=device,
         dtype=dtype,
@@ -165,7 +166,32 @@ def _triton_runs(cuda: bool) -> bool:
     return cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _kernels(config: EngineConfig, cuda: bool) -> str:
+def _native(config: EngineConfig, cuda: bool, dtype: str) -> bool:
+    """Whether the CPU's native kernels (kernels/cpu_native.py) run: asked for, or by default
+    on a CPU in float32 with a float32 cache, where the C compiler builds them, unless the
+    Triton (fused_kernels) or compiled (torch_compile) ops were asked for."""
+    if config.native_kernels is False or (config.native_kernels is None and (
+            cuda or config.fused_kernels or config.torch_compile)):
+        return False  # not asked, and another choice of kernels was
+    why = ""
+    if cuda:
+        why = "they are the CPU's kernels; on a GPU the Triton ones run"
+    elif dtype != "float32" or config.kv_cache_dtype != "auto":
+        why = "they compute in float32 over a float32 KV cache: use dtype='float32' and " \
+              "kv_cache_dtype='auto'"
+    else:
+        from nanovllm.kernels import cpu_native
+
+        why = cpu_native.available()
+    if why and config.native_kernels:
+        raise ConfigError(f"native_kernels=True cannot run here: {why}")
+    if why and dtype == "float32" and config.kv_cache_dtype == "auto":
+        log.warning("the native CPU kernels are not available (%s): running the torch ones",
+                    why)
+    return not why
+
+
+def _kernels(config: EngineConfig, cuda: bool, native: bool = False) -> str:
     fused = cuda if config.fused_kernels is None else config.fused_kernels
     if fused and not _triton_runs(cuda):
         raise ConfigError(
@@ -174,7 +200,9 @@ def _kernels(config: EngineConfig, cuda: bool) -> str:
         )
     if fused:
         return "triton"
-    return "compiled" if config.torch_compile else "torch"
+    if config.torch_compile:
+        return "compiled"
+    return "native" if native else "torch"
 
 
 def _split_k(config: EngineConfig, kernels: str, cuda: bool) -> bool:
@@ -189,9 +217,12 @@ def _split_k(config: EngineConfig, kernels: str, cuda: bool) -> bool:
     return config.split_k
 
 
-def _attention(name: str, cuda: bool) -> str:
+def _attention(name: str, cuda: bool, native: bool = False) -> str:
     if name == "auto":
-        return "triton" if cuda else "torch"
+        return "triton" if cuda else "native" if native else "torch"
+    if name == "native" and not native:
+        raise ConfigError("attention_backend='native' needs the native CPU kernels: a CPU, "
+                          "float32, and native_kernels not False; use 'auto' or 'torch'")
     if name == "triton" and not _triton_runs(cuda):
         raise ConfigError(
             "attention_backend='triton' needs a CUDA GPU (on a CPU, Triton's interpreter: set "

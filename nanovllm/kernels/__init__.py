@@ -1,11 +1,13 @@
 """The kernels a model runs, chosen once per engine: no module globals decide them.
 
-Every operation has a plain-torch implementation (`torch_ops`, `torch_attention`: the CPU
-path and the reference) and a Triton one (`triton_ops`, `triton_attention`,
-`triton_sampling`: the CUDA path, also run by tests in Triton's CPU interpreter). The small
-elementwise ops have a third choice, `torch.compile` of the torch ones.
+Every operation has a plain-torch implementation (`torch_ops`, `torch_attention`: the
+reference, and the CPU path where no C compiler is found) and a Triton one (`triton_ops`,
+`triton_attention`, `triton_sampling`: the CUDA path, also run by tests in Triton's CPU
+interpreter). On a CPU the small ops and decode attention run in C (`cpu_native`, built on
+first use). The small elementwise ops have a fourth choice, `torch.compile` of the torch
+ones.
 
-An engine resolves its settings (EngineConfig.fused_kernels, torch_compile,
+An engine resolves its settings (EngineConfig.fused_kernels, native_kernels, torch_compile,
 attention_backend) into one `Kernels` and passes it to the model when it is built, so two
 engines in one process run what each asked for. Triton modules are imported only when
 chosen: a CPU install without triton never loads them.
@@ -15,8 +17,9 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-OPS = ("triton", "torch", "compiled")  # norms, RoPE, SiLU (and the one-pass sampler)
-ATTENTION = ("triton", "torch")  # paged attention and the K/V store
+# norms, RoPE, SiLU (and the one-pass sampler)
+OPS = ("triton", "native", "torch", "compiled")
+ATTENTION = ("triton", "native", "torch")  # paged attention and the K/V store
 
 
 @dataclass(frozen=True)
@@ -54,12 +57,16 @@ def select_kernels(ops: str = "torch", attention: str = "torch",
         raise ValueError("split_k needs ops='triton': only its add_rms_norm sums the partials")
     if attention == "triton":
         from nanovllm.kernels import triton_attention as attn
+    elif attention == "native":
+        from nanovllm.kernels import cpu_native as attn
     else:
         from nanovllm.kernels import torch_attention as attn
     one_pass = None
     if ops == "triton":
         from nanovllm.kernels import triton_ops as impl
         from nanovllm.kernels.triton_sampling import gumbel_argmax as one_pass
+    elif ops == "native":
+        from nanovllm.kernels import cpu_native as impl
     else:
         from nanovllm.kernels import torch_ops as impl
     fns = [impl.rms_norm, impl.add_rms_norm, impl.qk_norm_rope, impl.silu_and_mul]

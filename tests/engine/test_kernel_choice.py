@@ -6,6 +6,7 @@ import pytest
 
 from nanovllm import LLM
 from nanovllm.core.errors import ConfigError
+from nanovllm.kernels import cpu_native
 from tests.support import greedy, hf_greedy, make_prompts, triton_module
 
 triton_ops = triton_module("nanovllm.kernels.triton_ops")
@@ -32,12 +33,17 @@ def test_two_engines_in_one_process_each_run_their_kernels(tiny_llama, hf_tiny_l
                                                            triton_interpreter, monkeypatch):
     # on a CUDA machine test_gpu_engine runs engines with different kernels side by side
     fused = LLM(str(tiny_llama), fused_kernels=True, attention_backend="triton", **ENGINE)
-    plain = LLM(str(tiny_llama), **ENGINE)  # built second: a global switch would win here
+    # built after it: a global switch would win here
+    plain = LLM(str(tiny_llama), native_kernels=False, **ENGINE)
+    native = LLM(str(tiny_llama), **ENGINE)  # a CPU's default: kernels/cpu_native.py
     assert (fused.engine.config.kernels, fused.engine.config.attention_backend) == (
         "triton", "triton")
     assert (plain.engine.config.kernels, plain.engine.config.attention_backend) == (
         "torch", "torch")
-    for llm in (fused, plain):  # every layer holds its own engine's choice
+    if not cpu_native.available():
+        assert (native.engine.config.kernels, native.engine.config.attention_backend) == (
+            "native", "native")
+    for llm in (fused, plain, native):  # every layer holds its own engine's choice
         kernels = llm.engine.runner.kernels
         holders = [m for m in llm.engine.runner.model.modules() if hasattr(m, "kernels")]
         assert holders and all(m.kernels is kernels for m in holders)
@@ -51,9 +57,12 @@ def test_two_engines_in_one_process_each_run_their_kernels(tiny_llama, hf_tiny_l
     assert norms[0] > 0 and attention[0] > 0, "the fused engine did not run its kernels"
     again = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
     assert again == plain_out
+    norms[0] = attention[0] = 0
+    native_out = [o.token_ids for o in native.generate(prompts, GREEDY, use_tqdm=False)]
+    assert norms == [0] and attention == [0], "the native engine ran a Triton kernel"
 
     expected = [hf_greedy(hf_tiny_llama, p, GREEDY.max_tokens) for p in prompts]
-    assert plain_out == expected and fused_out == expected
+    assert plain_out == expected and fused_out == expected and native_out == expected
 
 
 def test_triton_on_a_cpu_needs_the_interpreter(tiny_llama, monkeypatch):

@@ -132,11 +132,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     opt("torch_compile", help="GPU: fuse norms, RoPE and SiLU with torch.compile")
     opt("fused_kernels", action=argparse.BooleanOptionalAction,
         help="Triton norms, RoPE, SiLU and one-pass sampler (default: on with CUDA)")
+    opt("native_kernels", action=argparse.BooleanOptionalAction,
+        help="CPU: norms, RoPE, SiLU, the K/V store and decode attention in C, built with the "
+        "system's C compiler on first use (default: on a CPU in float32 where one is found)")
     opt("split_k", action=argparse.BooleanOptionalAction,
         help="o_proj and down_proj of up to 256 rows as a split-K Triton GEMM summed by the "
         "next norm (default: on with the fused kernels on one GPU)")
-    opt("attention_backend", choices=["auto", "triton", "torch"],
-        help="attention kernels; auto: triton on CUDA, else torch")
+    opt("attention_backend", choices=["auto", "triton", "native", "torch"],
+        help="attention kernels; auto: triton on CUDA, native with the native CPU kernels, "
+        "else torch")
     opt("overlap", action=argparse.BooleanOptionalAction,
         help="schedule step N+1 while step N runs (default: on with CUDA)")
     opt("seed", "--engine-seed", type=int, metavar="N",
