@@ -111,7 +111,7 @@ MESSAGES = [
     (dict(dtype="fp8"), "dtype='fp8' is invalid: choose auto, float32, bfloat16 or float16"),
     (dict(device="tpu"), "device='tpu' is invalid: choose auto, cpu or cuda"),
     (dict(attention_backend="flash"),
-     "attention_backend='flash' is invalid: choose auto, triton or torch"),
+     "attention_backend='flash' is invalid: choose auto, triton, native or torch"),
     (dict(max_model_len=0), "max_model_len=0 is invalid: use a positive integer"),
 ]
 

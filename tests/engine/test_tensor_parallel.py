@@ -143,12 +143,23 @@ def test_tp2_with_an_fp8_cache_equals_one_device(tiny_llama):
 
 def test_default_model_over_three_ranks_equals_one():
     """The real default model, its GGUF 4-bit weights sharded and kept packed (int4) on each
-    rank: 9 query heads and 3 KV heads split over 3 ranks give the text one process gives."""
+    rank: 9 query heads and 3 KV heads split over 3 ranks give the text one process gives,
+    up to a near-tie. The int4 kernel rounds its activations to bfloat16, so the ranks'
+    partial sums move a logprob by up to ~0.1 nats: "def fibonacci(n):"'s 14th token is a
+    near-tie (0.02-0.05 nats between two tokens), which went either way with either
+    kernels."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    params = SamplingParams(temperature=0, max_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
     one, _, _ = run(None, prompts, params, kv_cache_gib=0.05)
     three, _, _ = run(None, prompts, params, kv_cache_gib=0.05, tensor_parallel_size=3)
-    assert [o.token_ids for o in three] == [o.token_ids for o in one]
+    for a, b in zip(one, three, strict=True):
+        steps = zip(a.token_ids, b.token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs)
+        for i, (ta, tb, la, lb) in enumerate(steps):
+            if ta != tb:  # a near-tie: the text may part there, nowhere earlier
+                assert tb in la and la[ta] - la[tb] < 0.1, (i, la, lb)
+                break
+            assert abs(la[ta] - lb[tb]) < 0.15, (i, la, lb)
+    assert three[0].token_ids == one[0].token_ids
 
 
 def test_bad_tensor_parallel_settings_say_what_to_change(tiny_llama, monkeypatch):
