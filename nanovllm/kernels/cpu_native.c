@@ -103,10 +103,13 @@ void silu_and_mul(const float *x, int64_t sx, float *out, int64_t so, int64_t ro
     }
 }
 
-/* each token's K/V [H, D] into its slot of a contiguous [slots, H, D] cache; slot -1 skips */
-void store_kv(const float *k, int64_t skt, int64_t skh, const float *v, int64_t svt,
-              int64_t svh, float *k_cache, float *v_cache, const int64_t *slots,
-              int64_t tokens, int64_t heads, int64_t dim) {
+/* each token's K/V [H, D] into its slot of a contiguous [num_slots, H, D] cache; a negative
+ * slot (-1) skips the token. Returns 0, or -2 (writing nothing) if a slot lies past the cache. */
+int store_kv(const float *k, int64_t skt, int64_t skh, const float *v, int64_t svt,
+             int64_t svh, float *k_cache, float *v_cache, const int64_t *slots,
+             int64_t tokens, int64_t heads, int64_t dim, int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] >= num_slots) return -2;
     for (int64_t t = 0; t < tokens; t++) {
         if (slots[t] < 0) continue;
         float *kc = k_cache + slots[t] * heads * dim, *vc = v_cache + slots[t] * heads * dim;
@@ -116,20 +119,29 @@ void store_kv(const float *k, int64_t skt, int64_t skh, const float *v, int64_t 
                 vc[h * dim + d] = v[t * svt + h * svh + d];
             }
     }
+    return 0;
 }
 
 /* One query token per row over its context in a paged [blocks, block_size, Hkv, D] cache:
  * row r's query is q[r] [Hq, D], its context the first lens[r] slots of its block table;
  * each K/V head serves its group of Hq / Hkv query heads. softmax(q k^T * scale) v, in
- * float32, into out[r]. Returns 0, or -1 if scratch memory could not be had. */
+ * float32, into out[r]. Returns 0; -1 if scratch memory could not be had; -2 (reading
+ * nothing) if a row's context is longer than its table or the table names a block past the
+ * cache's num_blocks. */
 int decode_attention(const float *q, int64_t sqt, int64_t sqh, const float *k_cache,
                      const float *v_cache, const int32_t *tables, int64_t st,
                      const int32_t *lens, float *out, int64_t sot, int64_t soh,
                      int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t dim,
-                     int64_t block_size, float scale) {
+                     int64_t block_size, float scale, int64_t table_width,
+                     int64_t num_blocks) {
     const int64_t group = q_heads / kv_heads;
     int64_t longest = 0;
-    for (int64_t r = 0; r < rows; r++) longest = lens[r] > longest ? lens[r] : longest;
+    for (int64_t r = 0; r < rows; r++) {
+        if (lens[r] < 0 || lens[r] > table_width * block_size) return -2;
+        for (int64_t b = 0; b * block_size < lens[r]; b++)
+            if (tables[r * st + b] < 0 || tables[r * st + b] >= num_blocks) return -2;
+        longest = lens[r] > longest ? lens[r] : longest;
+    }
     float *scores = malloc(sizeof(float) * (size_t)(group * longest + group * dim));
     if (!scores) return -1;
     float *qs = scores + group * longest;  /* the group's queries, times scale */

@@ -38,8 +38,9 @@ SIGNATURES = {  # C function -> argument types (pointers, int64 sizes and stride
     "add_rms_norm": [_P, _I, _P, _I, _P, _P, _I, _I, _I, _F],
     "qk_norm_rope": [_P, _I, _I, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _F],
     "silu_and_mul": [_P, _I, _P, _I, _I, _I],
-    "store_kv": [_P, _I, _I, _P, _I, _I, _P, _P, _P, _I, _I, _I],
-    "decode_attention": [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F],
+    "store_kv": [_P, _I, _I, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I],
+    "decode_attention": [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I,
+                         _I],
 }
 
 
@@ -81,7 +82,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name == "decode_attention" else None
+        fn.restype = ctypes.c_int if name in ("store_kv", "decode_attention") else None
     return lib, ""
 
 
@@ -195,9 +196,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if (k.shape[0] == 0 or not (_cache_ok(k_cache) and _cache_ok(v_cache)) or not _rows_ok(k, v)
             or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
         return torch_attention.store_kv(k, v, k_cache, v_cache, slot_mapping)
-    _lib().store_kv(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-                    v.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
-                    k.shape[0], k.shape[1], k.shape[2])
+    status = _lib().store_kv(
+        k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], k.shape[1],
+        k.shape[2], k_cache.shape[0] * k_cache.shape[1])
+    if status:  # the torch backend would raise too: a bug upstream, never a silent write
+        raise IndexError(f"store_kv: a slot of {slot_mapping.tolist()} lies outside the cache's "
+                         f"{k_cache.shape[0] * k_cache.shape[1]} slots")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -215,7 +220,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(), out.stride(0),
         out.stride(1), q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
-        scale)
-    if status:
+        scale, tables.shape[1], k_cache.shape[0])
+    if status == -1:
         raise MemoryError("decode attention: no memory for its scores")
+    if status:  # checked before any read: a bug upstream, never a read past the cache
+        raise IndexError(f"decode attention: context lengths {lens.tolist()} do not fit block "
+                         f"tables {tables.tolist()} over {k_cache.shape[0]} blocks")
     return out

@@ -126,6 +126,26 @@ def test_store_kv_matches_torch_and_skips_padding():
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
 
 
+def test_indices_past_the_cache_raise_before_touching_memory():
+    # the engine never makes them; a bug that did gets the torch backend's IndexError, not a
+    # write or read past the cache
+    k_cache, v_cache, tables, lens = paged([6, 9], 2, 64, 4)
+    q = randn(2, 4, 64, seed=14)
+    tables[1, 1] = k_cache.shape[0]  # a block past the cache
+    with pytest.raises(IndexError, match="do not fit block tables"):
+        native.paged_attention(q, k_cache, v_cache, meta_for([1, 1], tables, lens), 0.125)
+    with pytest.raises(IndexError, match="do not fit block tables"):  # longer than its table
+        native.paged_attention(q, k_cache, v_cache,
+                               meta_for([1, 1], tables[:, :1], torch.tensor([6, 2],
+                                                                         dtype=torch.int32)),
+                               0.125)
+    caches = [c.clone() for c in (k_cache, v_cache)]
+    with pytest.raises(IndexError, match="outside the cache"):
+        native.store_kv(q[:, :2], q[:, 2:], *caches,
+                        torch.tensor([3, k_cache.shape[0] * k_cache.shape[1]]))
+    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
+
+
 def test_what_the_c_does_not_take_goes_to_torch():
     x = randn(3, 64, seed=13).bfloat16()
     w = torch.ones(64, dtype=torch.bfloat16)
