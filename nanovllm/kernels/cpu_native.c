@@ -2,7 +2,7 @@
  * (torch_ops.py, torch_attention.py) computes, each as one call instead of the few to a dozen
  * torch ops (and their dispatch from Python) that a single decode token pays for there.
  * cpu_native.py compiles this file with the system's C compiler on first use and calls it
- * through ctypes (the sums as vector reductions: -fopenmp-simd). float32 only; each tensor is passed as a pointer and its strides in
+ * through ctypes. float32 only; each tensor is passed as a pointer and its strides in
  * elements, the innermost dimension contiguous. No function allocates a tensor: outputs are
  * the caller's. */
 

@@ -75,10 +75,16 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     digest = hashlib.sha256(key).hexdigest()[:16]
     lib_path = cache_dir() / f"cpu_native-{digest}.so"
     if not lib_path.exists():
-        error = _build(cc, lib_path)
+        try:
+            error = _build(cc, lib_path)
+        except OSError as e:  # an unwritable cache directory, a full disk
+            error = f"cannot build into {lib_path.parent}: {e} (set NANOVLLM_CACHE)"
         if error:
             return None, error
-    lib = ctypes.CDLL(str(lib_path))
+    try:
+        lib = ctypes.CDLL(str(lib_path))
+    except OSError as e:  # e.g. a cache on a noexec mount
+        return None, f"cannot load {lib_path}: {e} (set NANOVLLM_CACHE)"
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
@@ -89,10 +95,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 def _build(cc: str, lib_path: Path) -> str:
     """Compile SOURCE into lib_path (written whole, then renamed: another process may be
     building it too); "" or what went wrong."""
-    try:
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        return f"cannot create {lib_path.parent}: {e} (set NANOVLLM_CACHE)"
+    lib_path.parent.mkdir(parents=True, exist_ok=True)
     error = ""
     for flags in FLAGS:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)

@@ -162,6 +162,10 @@ def test_the_library_is_built_once_into_the_cache_and_a_failed_build_says_why(tm
     env.update(NANOVLLM_CACHE=str(tmp_path / "other"), CC="/bin/false")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert "/bin/false" in run.stdout and "failed" in run.stdout, run.stdout + run.stderr
+    (tmp_path / "file").write_text("")  # a cache "directory" that cannot be made
+    env.update(NANOVLLM_CACHE=str(tmp_path / "file" / "cache"), CC="cc")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert "cannot build into" in run.stdout and "NANOVLLM_CACHE" in run.stdout, run.stdout
 
 
 def test_a_cpu_engine_runs_them_by_default_and_says_when_it_cannot(monkeypatch, caplog):
