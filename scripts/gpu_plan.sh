@@ -14,6 +14,7 @@
 #                                     # phases, CPU per process)
 #   bash scripts/gpu_plan.sh dp       # DP=1 vs DP=2, two and four front ends, 2,048 prompts
 #   bash scripts/gpu_plan.sh store    # the K/V store per cache format (benchmarks/kv_store.py),
+#                                     # warm, then decode steps with the L2 cleared (--cold),
 #                                     # then the seed workload, fp8 and bf16 caches
 #   bash scripts/gpu_plan.sh mixedlat # latency at Poisson rates below saturation, eager mixed
 #                                     # steps against --mixed-graphs (ITL and TPOT percentiles)
@@ -124,6 +125,9 @@ case "$stage" in
     # the K/V store per cache format, a decode and a prefill step's; then the seed workload
     timeout 120 python3 -m benchmarks.kv_store --pattern decode prefill --tokens 256 16384 \
       2>&1 | tee "$OUT/kv_store.log" | tail -9
+    # the same decode with the L2 cache cleared first: the engine's steps write evicted sectors
+    timeout 120 python3 -m benchmarks.kv_store --cold --tokens 16 256 2048 2>&1 \
+      | tee "$OUT/kv_store_cold.log" | tail -14
     for dtype in fp8 auto; do
       timeout 100 python3 -m benchmarks.offline --no-peer --kv-cache-dtype "$dtype" 2>&1 \
         | grep "^nano-vLLM  " | tee -a "$OUT/store.log"
