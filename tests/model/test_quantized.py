@@ -15,6 +15,8 @@ from nanovllm.core.config import EngineConfig
 from nanovllm.core.errors import ConfigError
 from nanovllm.engine.resolve import resolve_config
 from nanovllm.model.config import ModelConfig
+from nanovllm.model.layers import embedding
+from nanovllm.model.layers.embedding import HEAD_BF16_FROM_ROWS, RESCORE_TOP, LMHead
 from nanovllm.model.layers.linear import BF16_FROM_ROWS, Linear, MergedLinear
 from nanovllm.model.layers.quantized import (
     from_gguf_blocks,
@@ -95,6 +97,38 @@ def test_int8_rows_of_a_q8_table():
             ).all()
     x = torch.randn(3, 128)
     assert relative_error(int8_linear(x, q, scales), x.double() @ w.t()) < 0.02
+
+
+def test_an_8_bit_head_multiplies_many_rows_by_its_bf16_copy(monkeypatch):
+    # "int4-bf16" keeps a bfloat16 copy of a Q8_0 head for steps of HEAD_BF16_FROM_ROWS rows
+    # or more; either way the top logits are recomputed from the file's blocks
+    table = from_gguf_blocks(quantize(random_weight(300, 128, 2), Q.Q8_0), "Q8_0")
+    heads = {}
+    for fmt in ("int4", "int4-bf16"):
+        heads[fmt] = LMHead(300, 128)
+        heads[fmt].table = table  # what weight_loader leaves
+        assert heads[fmt].finish_loading(fmt).startswith("int8 (a scale per row)")
+    assert heads["int4"].bf16 is None and heads["int4-bf16"].bf16.dtype == torch.bfloat16
+    calls = [0]
+    original = embedding.int8_linear
+
+    def counted(*args):
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(embedding, "int8_linear", counted)
+    x = torch.randn(HEAD_BF16_FROM_ROWS, 128, generator=torch.Generator().manual_seed(3))
+    lean, copy = heads["int4"](x), heads["int4-bf16"](x)
+    assert calls == [1], "the int8 kernel ran for the bf16 copy's step"
+    want = x.double() @ table.dequantize().double().t()
+    assert relative_error(copy, want) < 0.02 and relative_error(lean, want) < 0.02
+    assert torch.equal(copy.argmax(-1), want.argmax(-1)), "greedy picks the exact top logit"
+    # the exact likeliest lie among the copy's top RESCORE_TOP, which were recomputed
+    top = want.topk(RESCORE_TOP // 2).indices
+    torch.testing.assert_close(copy.gather(-1, top).double(), want.gather(-1, top),
+                               rtol=1e-5, atol=1e-5)
+    heads["int4-bf16"](x[:1])
+    assert calls == [2], "one row is the int8 kernel's"
 
 
 def test_a_merged_linear_packs_only_when_every_shard_is_4_bit():
