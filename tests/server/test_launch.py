@@ -1,5 +1,6 @@
-"""`nanovllm serve` start-up: a busy port fails at once, before any model loads, and the
-served model name comes from the model's path."""
+"""`nanovllm serve` start-up: a busy port fails at once, before any model loads, the port
+stays the server's while the engine starts, and the served model name comes from the model's
+path."""
 
 import os
 import socket
@@ -7,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from nanovllm.entrypoints.openai.launch import served_name
+from nanovllm.entrypoints.openai.launch import release, reserve_address, served_name
 from tests.server.harness import REPO
 
 
@@ -33,6 +34,32 @@ def test_busy_port_exits_2_before_loading_the_model(tiny_llama):
     assert "Traceback" not in done.stderr, done.stderr
     assert "starting the engine process" not in done.stderr, "the model was loaded first"
     assert elapsed < 60, f"took {elapsed:.0f} s to refuse a busy port"
+
+
+def test_the_port_is_held_while_the_engine_starts():
+    # a tensor-parallel rendezvous once got the server's own port from the OS (it asks for
+    # any free one) while the engine started: held, no socket can bind it, not even one that
+    # sets SO_REUSEADDR; released, uvicorn's way of binding takes it
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    held = reserve_address("127.0.0.1", port)
+    try:
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                other.bind(("127.0.0.1", port))
+                taken = True
+            except OSError:
+                taken = False
+        assert not taken, "another socket bound the held port"
+    finally:
+        release(held)
+    assert held == []
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen()
 
 
 def test_served_name_keeps_dots_in_directory_names(tmp_path):

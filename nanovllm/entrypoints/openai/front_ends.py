@@ -38,7 +38,7 @@ def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
     hash). One shared socket, used elsewhere, lets whichever process wakes first take the
     queue (asyncio accepts up to 100 connections a wakeup): in a test here 512 connections at
     once split 127 / 385 over two processes, against 260 / 252 with SO_REUSEPORT. A port
-    taken since check_address looked is a ConfigError."""
+    taken since reserve_address released it is a ConfigError."""
     own = n > 1 and sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn binds
     socks: list[socket.socket] = []

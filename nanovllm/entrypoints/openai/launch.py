@@ -48,11 +48,18 @@ class ServerSettings:
 def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
     """Start the engine process, wait until it is ready, serve HTTP until stopped. Raises
     ConfigError, before loading anything, when host:port cannot be listened on."""
+    log.setLevel(logging.INFO)
+    held = reserve_address(server.host, server.port)
+    try:
+        return _serve(engine, server, held)
+    finally:
+        release(held)
 
+
+def _serve(engine: EngineProcessConfig, server: ServerSettings,
+           held: list[socket.socket]) -> int:
     from nanovllm.model.loader.source import open_model
 
-    log.setLevel(logging.INFO)
-    check_address(server.host, server.port)
     tokenizer = load_tokenizer(open_model(engine.model))  # fails fast on a bad path
     if server.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size {server.data_parallel_size} is invalid; "
@@ -81,6 +88,7 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
             if server.api_server_count > 1 else "",
         )
         sockets = None
+        release(held)  # uvicorn (or listening_sockets) binds the port from here
         if server.api_server_count > 1:  # a socket each on Linux, else one shared
             sockets = listening_sockets(server.host, server.port, server.api_server_count)
             front_ends = start_front_ends(engine, server, client, sockets[1:])
@@ -165,25 +173,51 @@ def http_server(app, server: ServerSettings, front_ends: list | None = None):
     ))  # fmt: skip
 
 
-def check_address(host: str, port: int) -> None:
-    """Raise ConfigError unless every address of `host` can be bound at `port` now (as
-    uvicorn binds them), so a busy port fails before a model loads for minutes."""
+def reserve_address(host: str, port: int) -> list[socket.socket]:
+    """Bind every address of `host` at `port` (as uvicorn binds them), without listening, and
+    return the sockets: a busy port is a ConfigError before a model loads for minutes, and
+    while the engine starts nothing else is handed the port (a tensor-parallel rendezvous
+    asks the OS for a free one, which could otherwise be this one, free until uvicorn binds
+    it). `release` them just before uvicorn binds."""
     try:
         addresses = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except socket.gaierror as e:
         raise ConfigError(f"cannot resolve --host {host!r}: {e.strerror}") from None
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as sock:
+    held: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in addresses:
+            held.append(_bind(family, kind, proto, address, host, port))
+    except BaseException:
+        release(held)
+        raise
+    return held
+
+
+def _bind(family, kind, proto, address, host: str, port: int) -> socket.socket:
+    # without SO_REUSEADDR first: no other socket, even one that sets it, may then share the
+    # port; with it (as uvicorn binds) where the first fails, e.g. over TIME_WAIT connections
+    # a previous server left
+    for reuse in (False, True):
+        sock = socket.socket(family, kind, proto)
+        if reuse:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(address)
-            except OSError as e:
-                msg = f"cannot listen on {host}:{port} ({e.strerror}); pick another --port"
-                raise ConfigError(msg) from None
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            sock.bind(address)
+            return sock
+        except OSError as e:
+            sock.close()
+            error = e
+    msg = f"cannot listen on {host}:{port} ({error.strerror}); pick another --port"
+    raise ConfigError(msg) from None
+
+
+def release(held: list[socket.socket]) -> None:
+    while held:
+        held.pop().close()
 
 
 def served_name(model: str | None) -> str:
