@@ -173,7 +173,6 @@ def _native(config: EngineConfig, cuda: bool, dtype: str) -> bool:
     if config.native_kernels is False or (config.native_kernels is None and (
             cuda or config.fused_kernels or config.torch_compile)):
         return False  # not asked, and another choice of kernels was
-    why = ""
     if cuda:
         why = "they are the CPU's kernels; on a GPU the Triton ones run"
     elif dtype != "float32" or config.kv_cache_dtype != "auto":
@@ -182,12 +181,12 @@ def _native(config: EngineConfig, cuda: bool, dtype: str) -> bool:
     else:
         from nanovllm.kernels import cpu_native
 
-        why = cpu_native.available()
+        why = cpu_native.available()  # no compiler, or a cache it cannot build into
+        if why and not config.native_kernels:
+            log.warning("the native CPU kernels are not available (%s): running the torch "
+                        "ones", why)
     if why and config.native_kernels:
         raise ConfigError(f"native_kernels=True cannot run here: {why}")
-    if why and dtype == "float32" and config.kv_cache_dtype == "auto":
-        log.warning("the native CPU kernels are not available (%s): running the torch ones",
-                    why)
     return not why
 
 

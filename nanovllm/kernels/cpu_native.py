@@ -191,7 +191,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def _cache_ok(cache: torch.Tensor) -> bool:
-    return cache.dtype == F32 and cache.device.type == "cpu" and cache.is_contiguous()
+    return cache.is_contiguous() and _rows_ok(cache)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -213,9 +213,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Decode steps (one query token per row) natively; any other step as the torch
     backend does it."""
     lens, tables = meta.context_lens, meta.block_tables
-    if (fp8_attention != "off" or any(n != 1 for n in meta.query_lens_host)
+    decode = meta.max_query_len == 1 and q.shape[0] == len(meta.query_lens_host)
+    if (fp8_attention != "off" or not decode
             or not (_cache_ok(k_cache) and _cache_ok(v_cache)) or not _rows_ok(q)
-            or lens is None or lens.dtype != torch.int32 or not lens.is_contiguous()
+            or lens.dtype != torch.int32 or not lens.is_contiguous()
             or tables.dtype != torch.int32 or tables.stride(-1) != 1):
         return torch_attention.paged_attention(q, k_cache, v_cache, meta, scale, fp8_attention)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -26,7 +26,6 @@ import triton.language as tl
 # shapes, each tile timed with the norm that sums its partials (BENCHMARKS.md: 1.05-1.53x
 # over cuBLAS and the norm); above the last row count, cuBLAS
 TILES = ((16, (16, 64, 64, 4)), (128, (64, 64, 64, 4)), (256, (64, 128, 64, 3)))
-MAX_ROWS = TILES[-1][0]
 MAX_SPLITS = 8
 
 
