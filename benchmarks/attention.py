@@ -15,7 +15,10 @@
                                                     # caps (programs an SM), bf16 for scale
     python -m benchmarks.attention --kv-layouts  # decode over position- and head-major blocks
     python -m benchmarks.attention --group-rows  # decode dots over 16 rows or the GQA group's
-    (--fp8-registers, --decode-buffers, --kv-layouts, --group-rows: benchmarks/decode_tiles.py)
+    python -m benchmarks.attention --skip-past  # the fp8 decode's last tiles read to the end
+    python -m benchmarks.attention --fp8-splits  # the fp8 decode's splits at small batches
+    (--fp8-registers, --decode-buffers, --kv-layouts, --group-rows, --skip-past, --fp8-splits:
+    benchmarks/decode_tiles.py)
 
 Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf16).
 Times are `triton.testing.do_bench` medians (L2 flushed before each run); "graph" is the
@@ -506,6 +509,8 @@ ONLY = (
     ("--decode-buffers", "only both caches' decode at multi-buffered tiles"),
     ("--kv-layouts", "only both caches' decode over position- and head-major blocks"),
     ("--group-rows", "only both caches' decode with dots of 16 rows against the group's"),
+    ("--skip-past", "only the fp8 decode reading its last tiles to the end or whole"),
+    ("--fp8-splits", "only the fp8 decode's split counts at small batches"),
 )
 
 
@@ -536,7 +541,8 @@ def main() -> int:
     tables = {"splits": decode_split_sweep, "fp8": fp8, "ragged": ragged_table,  # ONLY's
               "prefill": prefill_sweep, "fp8_decode": fp8_decode_table,  # flags, in order
               "fp8_registers": dt.fp8_register_table, "decode_buffers": dt.decode_buffers_table,
-              "kv_layouts": dt.kv_layout_table, "group_rows": dt.group_rows_table}
+              "kv_layouts": dt.kv_layout_table, "group_rows": dt.group_rows_table,
+              "skip_past": dt.skip_past_table, "fp8_splits": dt.fp8_split_table}
     chosen = [fn for name, fn in tables.items() if getattr(args, name)]
     parts = chosen[:1] or (main_table, None if args.quick else sweeps)
     for part in parts:

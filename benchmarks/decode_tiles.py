@@ -1,6 +1,7 @@
 """The decode kernel's tile experiments on CUDA, run through benchmarks.attention's flags:
 register caps (--fp8-registers), multi-buffered K/V tiles (--decode-buffers), head-major K
-blocks (--kv-layouts), dots over the GQA group's heads only (--group-rows). Each times the
+blocks (--kv-layouts), dots over the GQA group's heads only (--group-rows), the last tiles
+read to the context's end (--skip-past). Each times the
 engine's decode (CUDA-graph replays, checked against the fp32 reference) against its
 variants, with benchmarks.attention's batches and table.
 
@@ -57,6 +58,51 @@ def kv_layout_table(table: Table) -> None:
             if batch := make_batch(table, case, rows, block_size, kv):
                 run_triton(table, case, "engine", batch, graph=True)
             del batch
+
+
+def skip_past_table(table: Table) -> None:
+    """The fp8 decode (blocks of 128, the engine's tiles) reading nothing past each row's
+    end (triton_attention.SKIP_PAST_END, the default) against reading its last tile whole,
+    at the seed's contexts (as the engine sees them early and late in the run), ragged
+    ones and 64 rows. CUDA-graph times; both checked against the reference."""
+    from nanovllm.kernels import triton_attention as tb
+
+    for name, rows in (("decode seed contexts", seed_decode_rows(256)),
+                       ("decode B=256 prompts 100-1024", decode_rows(256, 100, 1024)),
+                       ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000)),
+                       ("decode B=64 seed contexts", seed_decode_rows(64))):
+        case = f"{name} bs=128 fp8-token"
+        if not (batch := make_batch(table, case, rows, 128, "fp8-token")):
+            continue
+        for skip in (True, False, True, False):
+            tb.SKIP_PAST_END = skip
+            run_triton(table, case, "skip past end" if skip else "whole last tile", batch,
+                       graph=True)
+        tb.SKIP_PAST_END = True
+        del batch
+
+
+def fp8_split_table(table: Table) -> None:
+    """The fp8 decode (blocks of 128, the engine's tiles) at the batches of the seed
+    workload's last steps (16-128 rows, contexts 600-2,000) over 1-16 KV splits; * marks
+    choose_num_splits' count as a CUDA graph planned for 4,096-token contexts gets it (the
+    engine's). CUDA-graph times."""
+    import torch
+
+    from benchmarks.attention import HKV
+    from nanovllm.kernels import triton_attention as tb
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for num_rows in (16, 32, 64, 128):
+        case = f"decode B={num_rows} ctx 600-2000 bs=128 fp8-token"
+        if not (batch := make_batch(table, case, decode_rows(num_rows, 600, 2000), 128,
+                                    "fp8-token")):
+            continue
+        auto = tb.choose_num_splits(num_rows, HKV, 4096, sms)
+        for splits in sorted({1, 2, 4, 8, 16, auto}):
+            run_triton(table, case, f"{splits}{'*' if splits == auto else ''} splits", batch,
+                       graph=True, num_splits=splits)
+        del batch
 
 
 # fp8 decode tiles at dots of the group's 2 rows, (positions, warps, stages, register cap),

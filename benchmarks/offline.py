@@ -71,6 +71,7 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         set_decode_tile(args.decode_tile, args.kv_cache_dtype == "fp8")
     if args.decode_group_rows:
         set_decode_group_rows(args.decode_group_rows, args.kv_cache_dtype == "fp8")
+    set_attention_switches(args)
     t0 = time.perf_counter()
     llm = LLM(args.model, **opts)
     load_s = time.perf_counter() - t0
@@ -139,6 +140,18 @@ def set_decode_tile(spec: str, fp8: bool) -> None:
     key = "fp8" if fp8 else "bf16"
     tb.DECODE_TILES[key] = tb.TileConfig(tb.DECODE_TILES[key].block_m, block_n, warps, stages,
                                          max_registers=cap[0] if cap else None)
+
+
+def set_attention_switches(args: argparse.Namespace) -> None:
+    """The A/B flags that flip triton_attention's module switches for this run's engine."""
+    from nanovllm.kernels import triton_attention as tb
+
+    if args.read_whole_tiles:
+        tb.SKIP_PAST_END = False
+    if args.argsort_order:
+        tb.RANK_KERNEL = False
+    if args.decode_programs_per_sm:
+        tb.TARGET_PROGRAMS_PER_SM = args.decode_programs_per_sm
 
 
 def set_decode_group_rows(rows: int, fp8: bool) -> None:
@@ -282,6 +295,15 @@ def main() -> None:
     ap.add_argument("--decode-group-rows", type=int, metavar="N",
                     help="the decode's dots over N rows (or the GQA group's, if more) "
                     "instead of the group's only (16: before 2026-12-01)")
+    ap.add_argument("--read-whole-tiles", action="store_true",
+                    help="an fp8 cache's attention reads each row's last tile whole, past the "
+                    "context's end (triton_attention.SKIP_PAST_END off; before 2026-12-01)")
+    ap.add_argument("--decode-programs-per-sm", type=int, metavar="N",
+                    help="the decode's KV splits aim at N programs an SM (default: the "
+                    "engine's, triton_attention.TARGET_PROGRAMS_PER_SM)")
+    ap.add_argument("--argsort-order", action="store_true",
+                    help="the decode's longest-first order by torch's sort, not the ranking "
+                    "kernel (triton_attention.RANK_KERNEL off; before 2026-12-01)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="a diagnostic run: list the lines where the first timed run made the "
                     "host wait for the GPU (torch's sync debug mode; slower)")

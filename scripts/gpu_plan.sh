@@ -46,6 +46,16 @@
 #                                     # BF16_FLAGS (default --decode-group-rows 16, the old
 #                                     # default; e.g. --decode-tile 64,4,3) against the defaults,
 #                                     # alternating, ROUNDS times (1)
+#   bash scripts/gpu_plan.sh skippast # an fp8 cache's last tiles read to the context's end
+#                                     # (triton_attention.SKIP_PAST_END): the fp8 GPU tests
+#                                     # (SKIP_TESTS=1 skips them), attention.py --skip-past
+#                                     # (SKIP_TABLE=1 skips it), then the seed workload, fp8,
+#                                     # against --read-whole-tiles (and with ARGSORT=1
+#                                     # --argsort-order), alternating, ROUNDS (1)
+#   bash scripts/gpu_plan.sh fp8splits # the fp8 decode's KV splits at small batches
+#                                     # (attention.py --fp8-splits), then the seed workload,
+#                                     # fp8, defaults against --decode-programs-per-sm PER_SM
+#                                     # (8), alternating, ROUNDS (2), after a warm-up run
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -55,7 +65,7 @@
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, tiles, syncs or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, tiles, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -178,6 +188,30 @@ case "$stage" in
           offline group_rows_offline.log "round $round $dtype ${flags:-group rows}" "$dtype" $flags
         done
       done
+    done ;;
+  skippast)
+    [ -n "${SKIP_TESTS:-}" ] || timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/model/test_triton_fp8.py tests/engine/test_fp8_kv.py \
+      tests/model/test_triton_attention.py -k "fp8 or longest or transposed or past" 2>&1 \
+      | tail -3 | tee "$OUT/skippast_tests.log"
+    [ -n "${SKIP_TABLE:-}" ] || timeout 150 python3 -m benchmarks.attention --skip-past 2>&1 \
+      | tee "$OUT/skippast_attention.log" | tail -20
+    # the first run of a call has come out low (a cold host): one run first, not counted
+    offline skippast_offline.log "warm-up, not counted" fp8
+    for round in $(seq "${ROUNDS:-1}"); do
+      offline skippast_offline.log "round $round skip past end" fp8
+      offline skippast_offline.log "round $round whole last tile" fp8 --read-whole-tiles
+      [ -z "${ARGSORT:-}" ] || offline skippast_offline.log "round $round argsort order" fp8 \
+        --argsort-order
+    done ;;
+  fp8splits)
+    timeout 150 python3 -m benchmarks.attention --fp8-splits 2>&1 \
+      | tee "$OUT/fp8splits_attention.log" | tail -32
+    offline fp8splits_offline.log "warm-up, not counted" fp8
+    for round in $(seq "${ROUNDS:-2}"); do
+      offline fp8splits_offline.log "round $round defaults" fp8
+      offline fp8splits_offline.log "round $round ${PER_SM:-8} programs an SM" fp8 \
+        --decode-programs-per-sm "${PER_SM:-8}"
     done ;;
   klayout)
     flip() { sed -i "s/^FP8_K_HEAD_MAJOR = .*/FP8_K_HEAD_MAJOR = $1/" nanovllm/worker/kv_cache.py; }

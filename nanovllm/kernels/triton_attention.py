@@ -84,6 +84,14 @@ MAX_SPLITS = 64
 # on the H200 the seed's ragged decode contexts read at 1.01 of copy bandwidth with it, 0.88
 # without, and the seed workload runs 1.05x faster (BENCHMARKS.md)
 LONGEST_FIRST = True
+# an fp8 cache's decode tiles (whole in one block) read nothing past the context's end: K
+# row by row, V 16 positions at a time. Off, they read the whole tile, on average half of the
+# last one past the end. (Prefill tiles read whole: masked, Triton loaded their V scales a
+# byte at a time, and prefill is bound by its dots, not its reads.)
+SKIP_PAST_END = True
+# the longest-first order ranked by one launch of B small programs (_rank_kernel); off,
+# torch's argsort (a radix sort of several launches, 18 us a step at 256 rows on the H200)
+RANK_KERNEL = True
 PREFILL_BLOCK_N, PREFILL_STAGES = 32, 3  # a bf16 cache's prefill tiles (default_prefill_config)
 FP8_PREFILL_STAGES = 3  # an fp8 cache's (64 x 64 tiles at 4 warps)
 FP8_DECODE_REGISTERS = 128  # an fp8 cache's decode: 4 programs of 4 warps an SM
@@ -293,11 +301,21 @@ def _tile_block(cache_ptr, bt_row_ptr, start, kv_head, stride_b, stride_s, strid
 
 
 @triton.jit
+def _load_masked(ptrs, read, MASKED: tl.constexpr):
+    # MASKED: only where `read` (0 elsewhere: a scale not read weighs its position nothing)
+    if MASKED:
+        x = tl.load(ptrs, mask=read, other=0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
 def _load_block_tile(
-    cache_ptr, bt_row_ptr, start, offs_n, valid, kv_head, offs_d,
+    cache_ptr, bt_row_ptr, start, offs_n, valid, end, kv_head, offs_d,
     stride_b, stride_s, stride_h, stride_d,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-    SCALED: tl.constexpr, COMPUTE: tl.constexpr, V_T: tl.constexpr,
+    SCALED: tl.constexpr, COMPUTE: tl.constexpr, V_T: tl.constexpr, SKIP: tl.constexpr,
 ):
     # -> (tile in COMPUTE, scale [N]) of an fp8 cache whose tile of positions
     # start .. start + N - 1 lies in one block: K^T [D, N] from K's rows of positions, or,
@@ -306,20 +324,30 @@ def _load_block_tile(
     # tile is contiguous along the dimension its dot contracts (D for q @ K^T, positions for
     # P @ V), so its bytes cross shared memory once and are converted in registers; and one
     # table entry gives the block, so the addresses are affine and load as 16-byte vectors.
-    # Positions past the context are in that block too: they load unmasked (a mask per
-    # position would split V's vectors) and weigh nothing (scores masked, probabilities 0,
-    # scales 0). That needs their bytes finite (0 * NaN is NaN): the cache starts zeroed
-    # and the store writes no NaN (triton_kv_store.py). Zeroing them here instead, any
+    # MASKED and SKIP (SKIP_PAST_END; a tile the context ends in, `valid` = positions before
+    # `end`): the positions past `end` are not read, K's row by row and V's 16 at a time
+    # (a mask per position would split V's 16-byte vectors), the last tile of a row being
+    # on average half past its end. The positions read past it (V's in the vector holding
+    # the end; every one without SKIP) weigh nothing (scores masked, probabilities 0, scales
+    # 0); that needs their bytes finite (0 * NaN is NaN): the cache starts zeroed and the
+    # store writes no NaN (triton_kv_store.py). Zeroing them after the load instead, any
     # select on the tile, sends it through shared memory a second time (seen in the PTX).
     base = _tile_block(cache_ptr, bt_row_ptr, start, kv_head, stride_b, stride_s, stride_h,
                        BLOCK_SIZE, offs_n.shape[0]) + offs_n * stride_s
     if V_T:
         ptrs = base[None, :] + offs_d[:, None] * stride_d
         dim_ok = offs_d[:, None] < HEAD_DIM
+        pos_ok = (start + offs_n // 16 * 16 < end)[None, :]
     else:
         ptrs = base[:, None] + offs_d[None, :] * stride_d
         dim_ok = offs_d[None, :] < HEAD_DIM
-    if HEAD_DIM == offs_d.shape[0]:
+        pos_ok = valid[:, None]
+    if MASKED and SKIP:
+        if HEAD_DIM == offs_d.shape[0]:
+            raw = tl.load(ptrs, mask=pos_ok, other=0)
+        else:
+            raw = tl.load(ptrs, mask=pos_ok & dim_ok, other=0)
+    elif HEAD_DIM == offs_d.shape[0]:
         raw = tl.load(ptrs)
     else:
         raw = tl.load(ptrs, mask=dim_ok, other=0)
@@ -327,13 +355,15 @@ def _load_block_tile(
     if SCALED:
         if V_T:  # each position's float32 scale: its 4 bytes in rows HEAD_DIM .. + 3 (a
             # 128-position tile over 128 threads loads them a byte each: 4 byte loads)
-            bits = tl.load(base + HEAD_DIM * stride_d).to(tl.int32)
+            bits = _load_masked(base + HEAD_DIM * stride_d, valid, MASKED and SKIP)
+            bits = bits.to(tl.int32)
             for j in tl.static_range(1, 4):
-                bits = bits | (tl.load(base + (HEAD_DIM + j) * stride_d).to(tl.int32)
-                               << (8 * j))
+                bits = bits | (_load_masked(base + (HEAD_DIM + j) * stride_d, valid,
+                                            MASKED and SKIP).to(tl.int32) << (8 * j))
             scale = bits.to(tl.float32, bitcast=True)
         else:  # after the position's values
-            scale = tl.load((base + HEAD_DIM * stride_d).to(tl.pointer_type(tl.float32)))
+            scale = _load_masked((base + HEAD_DIM * stride_d).to(tl.pointer_type(tl.float32)),
+                                 valid, MASKED and SKIP)
         if MASKED:
             scale = tl.where(valid, scale, 0.0)
     else:
@@ -343,20 +373,22 @@ def _load_block_tile(
 
 @triton.jit
 def _load_tiles(
-    k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, kv_head, offs_d,
+    k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, end, kv_head, offs_d,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr, COMPUTE: tl.constexpr,
-    Q_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr, V_T: tl.constexpr,
+    Q_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr, V_T: tl.constexpr, SKIP: tl.constexpr,
 ):
     # -> (K^T [D, N], its scales, V [N, D], its scales) of the tile of positions start + offs_n
     if V_T:  # an fp8 cache, V transposed: each tile in one block (see _load_block_tile)
-        k, k_scale = _load_block_tile(k_cache_ptr, bt_row, start, offs_n, valid, kv_head,
+        k, k_scale = _load_block_tile(k_cache_ptr, bt_row, start, offs_n, valid, end, kv_head,
                                       offs_d, stride_kb, stride_ks, stride_kh, stride_kd,
-                                      BLOCK_SIZE, HEAD_DIM, MASKED, SCALED, COMPUTE, False)
-        v, v_scale = _load_block_tile(v_cache_ptr, bt_row, start, offs_n, valid, kv_head,
+                                      BLOCK_SIZE, HEAD_DIM, MASKED, SCALED, COMPUTE, False,
+                                      SKIP)
+        v, v_scale = _load_block_tile(v_cache_ptr, bt_row, start, offs_n, valid, end, kv_head,
                                       offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
-                                      BLOCK_SIZE, HEAD_DIM, MASKED, SCALED, COMPUTE, True)
+                                      BLOCK_SIZE, HEAD_DIM, MASKED, SCALED, COMPUTE, True,
+                                      SKIP)
     else:
         pos = start + offs_n
         k, k_scale = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
@@ -451,6 +483,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, WRITE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
     LONGEST_FIRST: tl.constexpr = False, V_T: tl.constexpr = False,
+    SKIP_PAST: tl.constexpr = False,
 ):
     # num_splits is a runtime int (one compiled kernel serves every split count);
     # WRITE_OUT (num_splits == 1) writes the normalized output directly, skipping the reduce
@@ -480,10 +513,11 @@ def _decode_kernel(
         pos = tile * BLOCK_N + offs_n
         valid = pos < ctx
         k, k_scale, v, v_scale = _load_tiles(
-            k_cache_ptr, v_cache_ptr, bt_row, tile * BLOCK_N, offs_n, valid, kv_head, offs_d,
+            k_cache_ptr, v_cache_ptr, bt_row, tile * BLOCK_N, offs_n, valid, ctx, kv_head,
+            offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
-            q_ptr.dtype.element_ty, FP8_ASM, V_T)
+            q_ptr.dtype.element_ty, FP8_ASM, V_T, SKIP_PAST)
         acc, m_i, l_i = _softmax_step(q.to(k.dtype), k, v, k_scale, v_scale, acc, m_i, l_i,
                                       valid[None, :], scale_log2, True, SCALED, DOT_PRECISION)
 
@@ -646,10 +680,11 @@ def _prefill_kernel(
     for start in range(0, full_end, BLOCK_N):
         pos = start + offs_n
         k, k_scale, v, v_scale = _load_tiles(
-            k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, pos < kv_end, kv_head, offs_d,
+            k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, pos < kv_end, kv_end, kv_head,
+            offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, FP8, SCALED, q.dtype,
-            q_ptr.dtype.element_ty, FP8_ASM, V_T)
+            q_ptr.dtype.element_ty, FP8_ASM, V_T, False)
         if FP8_MMA:
             acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
                                               row_scale, False, SCALED, FP8_P, EXACT)
@@ -661,10 +696,10 @@ def _prefill_kernel(
         pos = start + offs_n
         valid = pos < kv_end
         k, k_scale, v, v_scale = _load_tiles(
-            k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, kv_head, offs_d,
+            k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, kv_end, kv_head, offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
-            q_ptr.dtype.element_ty, FP8_ASM, V_T)
+            q_ptr.dtype.element_ty, FP8_ASM, V_T, False)
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if FP8_MMA:
             acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i,
@@ -774,13 +809,32 @@ def _register_cap(cfg: TileConfig, q: torch.Tensor) -> dict:
 
 
 def _longest_first(meta: AttentionMetadata) -> torch.Tensor:
-    """The rows by context length, longest first ([B] int32), sorted on the device once per
-    step (every layer shares it; a CUDA graph replays the sort)."""
+    """The rows by context length, longest first, ties in row order ([B] int32), ranked on
+    the device once per step (every layer shares it; a CUDA graph replays the launch)."""
     order = meta.derived.get("longest_first")
     if order is None:
-        order = torch.argsort(meta.context_lens, descending=True).to(torch.int32)
+        lens = meta.context_lens
+        if not RANK_KERNEL:
+            order = torch.sort(lens, descending=True, stable=True).indices.to(torch.int32)
+        else:
+            order = torch.empty(lens.shape[0], dtype=torch.int32, device=lens.device)
+            if lens.shape[0]:
+                _rank_kernel[(lens.shape[0],)](lens, order, lens.shape[0],
+                                               BLOCK=_pow2(lens.shape[0]), num_warps=4)
         meta.derived["longest_first"] = order
     return order
+
+
+@triton.jit
+def _rank_kernel(ctx_ptr, order_ptr, num_rows, BLOCK: tl.constexpr):
+    # program i puts row i at its place: the rows with longer contexts, and the rows before it
+    # with as long a one, go ahead of it (RANK_KERNEL)
+    i = tl.program_id(0)
+    mine = tl.load(ctx_ptr + i)
+    offs = tl.arange(0, BLOCK)
+    lens = tl.load(ctx_ptr + offs, mask=offs < num_rows, other=-1)
+    ahead = (lens > mine) | ((lens == mine) & (offs < i))
+    tl.store(order_ptr + tl.sum(ahead.to(tl.int32), 0), i)
 
 
 def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_context_len,
@@ -805,7 +859,8 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
         HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_G=max(cfg.block_m, _pow2(group)),
         BLOCK_N=_block_n(cfg, k_cache, flags), WRITE_OUT=num_splits == 1,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, LONGEST_FIRST=order is not None, **flags,
+        num_stages=cfg.num_stages, LONGEST_FIRST=order is not None, SKIP_PAST=SKIP_PAST_END,
+        **flags,
         **_register_cap(cfg, q),
     )
     reduce_splits(part_o, part_lse, out, qsl, num_rows, num_splits)

@@ -95,7 +95,7 @@ def record(kv_cache_dtype: str, scales: str) -> list:
     calls = []
     for module, name in ((ts, "_store_kv_kernel"), (ts, "_rope_store_kernel"),
                          (tb, "_decode_kernel"),
-                         (tb, "_reduce_kernel"), (tb, "_prefill_kernel"),
+                         (tb, "_reduce_kernel"), (tb, "_prefill_kernel"), (tb, "_rank_kernel"),
                          (fd, "_decode_fp8_kernel")):
         setattr(module, name, Recorder(getattr(module, name), calls))
     # a mixed step: two decode rows with long contexts (KV splits) and a prefill chunk

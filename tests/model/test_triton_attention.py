@@ -12,6 +12,7 @@ that a half-precision tolerance could absorb. One key too few is a relative erro
 """
 
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -202,6 +203,18 @@ def test_longest_first_is_only_another_order(triton_device, splits):
         ordered = case.triton(num_splits=splits, prefill_config=SMALL, longest_first=True)
         assert torch.equal(plain, ordered), rows
         check_close(ordered, case.reference(), torch.float32)
+
+
+def test_longest_first_ranks_rows_as_a_stable_sort(triton_device):
+    """The decode's row order (one ranking launch, not torch's sort) is a stable sort of the
+    context lengths, longest first: ties and padding rows (length 0) keep their order."""
+    gen = torch.Generator().manual_seed(5)
+    for lens in ([7], [3, 9, 9, 0, 1, 9, 0], torch.randint(0, 40, (300,), generator=gen).tolist()):
+        ctx = torch.tensor(lens, dtype=torch.int32, device=triton_device)
+        meta = SimpleNamespace(context_lens=ctx, derived={})
+        got = tb._longest_first(meta)
+        want = torch.sort(ctx.cpu(), descending=True, stable=True).indices
+        assert got.dtype == torch.int32 and torch.equal(got.cpu().long(), want), lens
 
 
 def test_strided_q_from_fused_qkv(triton_device):

@@ -118,6 +118,38 @@ def test_decode_over_head_major_k_and_group_rows(triton_device, case, block_m):
     check_close(got, reference(c.q, kd, vd, c.meta, c.scale), torch.float32, case[0])
 
 
+@pytest.mark.parametrize("skip", [True, False], ids=["skip-past-end", "read-whole-tiles"])
+def test_decode_reads_nothing_past_the_vector_holding_the_end(triton_device, skip,
+                                                               monkeypatch):
+    """With SKIP_PAST_END (the default) the decode over 64-position tiles of a transposed V
+    reads none of the V bytes past the 16-position vector that holds a row's last position
+    (NaN there leaves the attention exact); reading whole tiles on a GPU, NaN there poisons
+    the rows whose last tile it lies in: proof the bytes are skipped, not merely weighted
+    0. (Triton's interpreter reads e4m3's NaN byte as 480, which weighs 0.)"""
+    monkeypatch.setattr(tb, "SKIP_PAST_END", skip)
+    rows = [(1, 40), (1, 70), (1, 3), (1, 128), (1, 97)]
+    c, k8, v8, _ = fp8_case(("tail", rows, 4, 2, 64, 64, None, None), True, triton_device)
+    d = c.q.shape[-1]
+    v8 = v8.clone()
+    for i, (_, ctx) in enumerate(rows):  # finite from the end to its vector's end only
+        for p in range(ctx, -(-ctx // 16) * 16):
+            blk = int(c.meta.block_tables[i, p // 64])
+            v8[blk, p % 64, :, :d] = 0x7E
+            v8[blk, p % 64, :, d:d + 4] = torch.tensor([1e4]).view(torch.uint8).to(v8.device)
+    got = tb.paged_attention(c.q, k8, transposed(v8), c.meta, c.scale, num_splits=1,
+                             decode_config=tb.TileConfig(1, 64)).cpu()
+    poisoned = [ctx % 64 and -(-ctx // 16) * 16 < -(-ctx // 64) * 64 for _, ctx in rows]
+    assert poisoned == [True, True, True, False, True]
+    finite = torch.isfinite(got).all(-1).all(-1)
+    if skip:
+        kd, vd = (ta.dequantize_fp8(x, d, torch.float32) for x in (k8, v8))
+        check_close(got, reference(c.q, kd, vd, c.meta, c.scale), torch.float32, "tail")
+    elif triton_device == "cuda":
+        assert finite.tolist() == [not p for p in poisoned]
+    else:
+        assert finite.all()
+
+
 @pytest.mark.parametrize("scaled", [True, False], ids=["token", "tensor"])
 def test_store_kv_writes_the_reference_bytes(triton_device, scaled):
     torch.manual_seed(3)
