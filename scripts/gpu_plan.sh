@@ -56,6 +56,12 @@
 #                                     # (attention.py --fp8-splits), then the seed workload,
 #                                     # fp8, defaults against --decode-programs-per-sm PER_SM
 #                                     # (8), alternating, ROUNDS (2), after a warm-up run
+#   bash scripts/gpu_plan.sh firstrun # as the first call on a fresh machine: the seed workload
+#                                     # as a new user's first bench.py meets it, bf16 then fp8,
+#                                     # each process three timed runs (--repeat 3), each cache
+#                                     # twice: is the first run of a call low (BENCHMARKS.md,
+#                                     # ninth session) inside its process, or only the first
+#                                     # process?
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -65,7 +71,7 @@
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, tiles, syncs or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, firstrun, tiles, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -212,6 +218,10 @@ case "$stage" in
       offline fp8splits_offline.log "round $round defaults" fp8
       offline fp8splits_offline.log "round $round ${PER_SM:-8} programs an SM" fp8 \
         --decode-programs-per-sm "${PER_SM:-8}"
+    done ;;
+  firstrun)
+    for dtype in auto auto fp8 fp8; do
+      offline firstrun.log "$dtype process" "$dtype" --repeat 3
     done ;;
   klayout)
     flip() { sed -i "s/^FP8_K_HEAD_MAJOR = .*/FP8_K_HEAD_MAJOR = $1/" nanovllm/worker/kv_cache.py; }
