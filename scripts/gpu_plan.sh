@@ -220,8 +220,14 @@ case "$stage" in
         --decode-programs-per-sm "${PER_SM:-8}"
     done ;;
   firstrun)
+    # whole logs and each process's figures (--out: every run's host time by part, the
+    # allocator's mallocs) kept, to tell start-up work left for the first run from the rest
+    i=0
     for dtype in auto auto fp8 fp8; do
-      offline firstrun.log "$dtype process" "$dtype" --repeat 3
+      i=$((i + 1))
+      timeout 120 python3 -m benchmarks.offline --no-peer --kv-cache-dtype "$dtype" \
+        --repeat 3 --out "$OUT/firstrun-$i-$dtype.json" 2>&1 | tee -a "$OUT/firstrun.log" \
+        | grep -E "^nano-vLLM  |run [0-9]|host time" | sed "s/^/process $i $dtype: /"
     done ;;
   klayout)
     flip() { sed -i "s/^FP8_K_HEAD_MAJOR = .*/FP8_K_HEAD_MAJOR = $1/" nanovllm/worker/kv_cache.py; }
