@@ -67,10 +67,6 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     from nanovllm import LLM, SamplingParams
 
     opts = engine_options(args)
-    if args.decode_tile:
-        set_decode_tile(args.decode_tile, args.kv_cache_dtype == "fp8")
-    if args.decode_group_rows:
-        set_decode_group_rows(args.decode_group_rows, args.kv_cache_dtype == "fp8")
     set_attention_switches(args)
     t0 = time.perf_counter()
     llm = LLM(args.model, **opts)
@@ -143,9 +139,15 @@ def set_decode_tile(spec: str, fp8: bool) -> None:
 
 
 def set_attention_switches(args: argparse.Namespace) -> None:
-    """The A/B flags that flip triton_attention's module switches for this run's engine."""
+    """The A/B flags that set triton_attention's module switches and decode tiles for this
+    run's engine."""
     from nanovllm.kernels import triton_attention as tb
 
+    fp8 = args.kv_cache_dtype == "fp8"
+    if args.decode_tile:
+        set_decode_tile(args.decode_tile, fp8)
+    if args.decode_group_rows:
+        set_decode_group_rows(args.decode_group_rows, fp8)
     if args.read_whole_tiles:
         tb.SKIP_PAST_END = False
     if args.argsort_order:
