@@ -4,6 +4,8 @@ retries, and the Python lines torch's sync debug mode flags (benchmarks/offline.
 
 import collections
 import contextlib
+import gc
+import time
 import warnings
 
 import torch
@@ -40,3 +42,65 @@ def sync_watch(on: bool):
             torch.cuda.set_sync_debug_mode("default")
     for w in caught:
         found[f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:80]}"] += 1
+
+
+@contextlib.contextmanager
+def triton_compiles():
+    """Yield a list that gathers (kernel name, seconds) for each Triton kernel variant
+    built while the block runs: a miss in the in-process cache, answered from Triton's disk
+    cache or by compiling. A timed run should find none: each is host time the warm-up
+    left for the requests. Empty where Triton is absent or has no `_do_compile`."""
+    found: list[tuple[str, float]] = []
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        yield found
+        return
+    inner = getattr(JITFunction, "_do_compile", None)
+    if inner is None:
+        yield found
+        return
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            found.append((getattr(self, "__name__", repr(self)), time.perf_counter() - t0))
+
+    JITFunction._do_compile = timed
+    try:
+        yield found
+    finally:
+        JITFunction._do_compile = inner
+
+
+def compiles_summary(found: list[tuple[str, float]]) -> dict:
+    """`triton_compiles`' list as a count, total seconds and a count per kernel."""
+    return {"count": len(found), "seconds": sum(s for _, s in found),
+            "kernels": dict(collections.Counter(name for name, _ in found).most_common())}
+
+
+@contextlib.contextmanager
+def gc_pauses():
+    """Yield a dict that gathers Python's garbage collections while the block runs: their
+    count and seconds, by generation. A start-up that leaves many tracked objects (a
+    compiler's, say) makes each full collection in the timed run long."""
+    found = {"count": 0, "seconds": 0.0, "by_generation": {}}
+    started: list[float] = []
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            dt = time.perf_counter() - started.pop()
+            found["count"] += 1
+            found["seconds"] += dt
+            gen = str(info.get("generation"))
+            found["by_generation"][gen] = found["by_generation"].get(gen, 0) + 1
+
+    gc.callbacks.append(watch)
+    try:
+        yield found
+    finally:
+        gc.callbacks.remove(watch)

@@ -22,6 +22,7 @@ report is offline_report.py's.
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -32,7 +33,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.host_waits import allocator_counts, sync_watch
+from benchmarks.host_waits import (
+    allocator_counts,
+    compiles_summary,
+    gc_pauses,
+    sync_watch,
+    triton_compiles,
+)
 from benchmarks.offline_report import print_table
 from benchmarks.random_model import QWEN3_RANDOM_DIR, build_random_model
 from benchmarks.speed_of_light import ModelShape, measure_device, sol_times, workload_cost
@@ -80,7 +87,8 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     alloc0 = allocator_counts()
     start = time.perf_counter()
-    with sync_watch(args.sync_debug) as syncs:
+    tracked = len(gc.get_objects())
+    with sync_watch(args.sync_debug) as syncs, triton_compiles() as compiles, gc_pauses() as gcs:
         outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     alloc = {k: v - alloc0[k] for k, v in allocator_counts().items()}
@@ -103,6 +111,8 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         "step_timing_s": {k: v - timing0.get(k, 0.0) for k, v in engine.timing.items()},
         "allocator": alloc,  # during the timed run (allocator_counts)
         "syncs": dict(syncs.most_common(12)),  # --sync-debug
+        "triton_compiles": compiles_summary(compiles),  # variants the warm-up left
+        "gc": {**gcs, "tracked_at_start": tracked},  # Python's collections in the run
     }
     # more timed runs in this process, optionally flipping overlap each time (an A/B on
     # one warm machine; the first run above stays the headline figure)
@@ -112,12 +122,15 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
             engine.overlap = not engine.overlap
         assert engine.block_manager.reset_prefix_cache()  # the same prompts, no cache hits
         t_rep, timing_rep = time.perf_counter(), dict(engine.timing)
-        rep = llm.generate(prompts, params, use_tqdm=False)
+        with triton_compiles() as compiles, gc_pauses() as gcs:
+            rep = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t_rep
         repeats.append({
             "overlap": engine.overlap, "elapsed_s": dt,
             "throughput": sum(len(o.token_ids) for o in rep) / dt,
             "step_timing_s": {k: v - timing_rep[k] for k, v in engine.timing.items()},
+            "triton_compiles": compiles_summary(compiles),
+            "gc": gcs,
         })
     result["repeats"] = repeats
     return result
@@ -154,6 +167,10 @@ def set_attention_switches(args: argparse.Namespace) -> None:
         tb.RANK_KERNEL = False
     if args.decode_programs_per_sm:
         tb.TARGET_PROGRAMS_PER_SM = args.decode_programs_per_sm
+    if args.gc_freeze:
+        from nanovllm.worker import model_runner
+
+        model_runner.FREEZE_GC_AFTER_SETUP = True
 
 
 def set_decode_group_rows(rows: int, fp8: bool) -> None:
@@ -306,6 +323,9 @@ def main() -> None:
     ap.add_argument("--argsort-order", action="store_true",
                     help="the decode's longest-first order by torch's sort, not the ranking "
                     "kernel (triton_attention.RANK_KERNEL off; before 2026-12-01)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="collect and freeze Python's garbage collector after start-up "
+                    "(model_runner.FREEZE_GC_AFTER_SETUP)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="a diagnostic run: list the lines where the first timed run made the "
                     "host wait for the GPU (torch's sync debug mode; slower)")

@@ -92,6 +92,20 @@ def print_table(
         if ours.get("allocator"):  # each cudaFree or retry is a device synchronize
             notes.append("nano-vLLM CUDA allocator during the run: " + ", ".join(
                 f"{k.removeprefix('num_')} {v}" for k, v in ours["allocator"].items()))
+        for i, run in enumerate([ours, *(ours.get("repeats") or [])], start=1):
+            built = run.get("triton_compiles") or {}
+            if built.get("count"):  # kernel variants the warm-up left for the timed run
+                notes.append(
+                    f"nano-vLLM run {i} built {built['count']} Triton kernel variants in "
+                    f"{built['seconds']:.2f} s: "
+                    + ", ".join(f"{k} x{n}" for k, n in built["kernels"].items()))
+            pauses = run.get("gc") or {}
+            if pauses.get("count"):
+                notes.append(
+                    f"nano-vLLM run {i}: {pauses['count']} Python collections, "
+                    f"{pauses['seconds']:.3f} s (by generation {pauses['by_generation']})"
+                    + (f"; {pauses['tracked_at_start']:,} objects tracked at the start"
+                       if "tracked_at_start" in pauses else ""))
         for where, n in (ours.get("syncs") or {}).items():  # --sync-debug
             notes.append(f"nano-vLLM host waited on the GPU {n}x at {where}")
         for i, rep in enumerate(ours.get("repeats") or [], start=2):

@@ -222,8 +222,9 @@ case "$stage" in
   firstrun)
     # whole logs and each process's figures (--out: every run's host time by part, the
     # allocator's mallocs) kept, to tell start-up work left for the first run from the rest
+    # (DTYPES narrows the processes; the report names the Triton kernel variants each run built)
     i=0
-    for dtype in auto auto fp8 fp8; do
+    for dtype in ${DTYPES:-auto auto fp8 fp8}; do
       i=$((i + 1))
       timeout 120 python3 -m benchmarks.offline --no-peer --kv-cache-dtype "$dtype" \
         --repeat 3 --out "$OUT/firstrun-$i-$dtype.json" 2>&1 | tee -a "$OUT/firstrun.log" \

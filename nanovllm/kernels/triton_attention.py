@@ -92,6 +92,7 @@ SKIP_PAST_END = True
 # the longest-first order ranked by one launch of B small programs (_rank_kernel); off,
 # torch's argsort (a radix sort of several launches, 18 us a step at 256 rows on the H200)
 RANK_KERNEL = True
+RANK_BLOCK = 128  # rows a _rank_kernel program compares at a time
 PREFILL_BLOCK_N, PREFILL_STAGES = 32, 3  # a bf16 cache's prefill tiles (default_prefill_config)
 FP8_PREFILL_STAGES = 3  # an fp8 cache's (64 x 64 tiles at 4 warps)
 FP8_DECODE_REGISTERS = 128  # an fp8 cache's decode: 4 programs of 4 warps an SM
@@ -819,22 +820,25 @@ def _longest_first(meta: AttentionMetadata) -> torch.Tensor:
         else:
             order = torch.empty(lens.shape[0], dtype=torch.int32, device=lens.device)
             if lens.shape[0]:
-                _rank_kernel[(lens.shape[0],)](lens, order, lens.shape[0],
-                                               BLOCK=_pow2(lens.shape[0]), num_warps=4)
+                _rank_kernel[(lens.shape[0],)](lens, order, lens.shape[0], BLOCK=RANK_BLOCK,
+                                               num_warps=4)
         meta.derived["longest_first"] = order
     return order
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # see _NO_RESPECIALIZE
 def _rank_kernel(ctx_ptr, order_ptr, num_rows, BLOCK: tl.constexpr):
     # program i puts row i at its place: the rows with longer contexts, and the rows before it
-    # with as long a one, go ahead of it (RANK_KERNEL)
+    # with as long a one, go ahead of it (RANK_KERNEL). The rows are counted BLOCK at a time,
+    # so one compiled variant serves every row count.
     i = tl.program_id(0)
     mine = tl.load(ctx_ptr + i)
-    offs = tl.arange(0, BLOCK)
-    lens = tl.load(ctx_ptr + offs, mask=offs < num_rows, other=-1)
-    ahead = (lens > mine) | ((lens == mine) & (offs < i))
-    tl.store(order_ptr + tl.sum(ahead.to(tl.int32), 0), i)
+    ahead = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, num_rows, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        lens = tl.load(ctx_ptr + offs, mask=offs < num_rows, other=-1)
+        ahead += ((lens > mine) | ((lens == mine) & (offs < i))).to(tl.int32)
+    tl.store(order_ptr + tl.sum(ahead, 0), i)
 
 
 def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_context_len,

@@ -8,6 +8,7 @@ kernels), asked how many KV blocks fit (`measure_kv_blocks`), `setup` with the f
 """
 
 import dataclasses
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ from nanovllm.worker.warmup import profile_activation_bytes, warm_up_kernels
 
 log = logging.getLogger("nanovllm")
 
+# after a GPU start-up (Triton's compiler leaves ~1e6 tracked objects): collect once and move
+# what is left out of the collector's reach, so each full collection while serving scans
+# only the objects made since (gc.freeze)
+FREEZE_GC_AFTER_SETUP = False
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -207,6 +212,9 @@ class ModelRunner:
                      self.graphs.sizes,
                      f" and mixed steps of {self.mixed_graphs.sizes} tokens"
                      if self.mixed_graphs else "", time.perf_counter() - start)
+        if FREEZE_GC_AFTER_SETUP:
+            gc.collect()
+            gc.freeze()
 
     # ---- one step -------------------------------------------------------------------
 
