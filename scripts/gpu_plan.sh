@@ -62,6 +62,12 @@
 #                                     # twice: is the first run of a call low (BENCHMARKS.md,
 #                                     # ninth session) inside its process, or only the first
 #                                     # process?
+#   bash scripts/gpu_plan.sh pdl      # the step's Triton kernels as programmatic dependent
+#                                     # launches (kernels/triton_pdl.py PDL, switched on in
+#                                     # the tree on the device for the tests): the GPU engine
+#                                     # and kernel tests with it (SKIP_TESTS=1 skips them),
+#                                     # then the seed workload, fp8 and bf16, defaults against
+#                                     # --pdl, alternating, ROUNDS (2), after a warm-up run
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -71,7 +77,7 @@
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, firstrun, tiles, syncs or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, firstrun, pdl, tiles, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -229,6 +235,23 @@ case "$stage" in
       timeout 120 python3 -m benchmarks.offline --no-peer --kv-cache-dtype "$dtype" \
         --repeat 3 --out "$OUT/firstrun-$i-$dtype.json" 2>&1 | tee -a "$OUT/firstrun.log" \
         | grep -E "^nano-vLLM  |run [0-9]|host time" | sed "s/^/process $i $dtype: /"
+    done ;;
+  pdl)
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      sed -i "s/^PDL = False/PDL = True/" nanovllm/kernels/triton_pdl.py
+      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
+        tests/engine/test_gpu_engine.py tests/engine/test_fp8_kv.py \
+        tests/model/test_triton_linear.py tests/model/test_rope_store.py \
+        tests/model/test_triton_attention.py -k "greedy or graph or fp8 or split or rope or longest" \
+        2>&1 | tail -3 | tee "$OUT/pdl_tests.log"
+      sed -i "s/^PDL = True/PDL = False/" nanovllm/kernels/triton_pdl.py
+    fi
+    offline pdl_offline.log "warm-up, not counted" fp8
+    for round in $(seq "${ROUNDS:-2}"); do
+      for dtype in fp8 auto; do
+        offline pdl_offline.log "round $round $dtype defaults" "$dtype"
+        offline pdl_offline.log "round $round $dtype pdl" "$dtype" --pdl
+      done
     done ;;
   klayout)
     flip() { sed -i "s/^FP8_K_HEAD_MAJOR = .*/FP8_K_HEAD_MAJOR = $1/" nanovllm/worker/kv_cache.py; }

@@ -67,6 +67,7 @@ from nanovllm.kernels.triton_kv_store import (  # noqa: F401
     _to_e4m3,
     store_kv,
 )
+from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
 LOG2E = 1.4426950408889634
 # _NO_RESPECIALIZE: Triton compiles a variant per integer argument that is 1 or divisible by
@@ -484,8 +485,9 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, WRITE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
     LONGEST_FIRST: tl.constexpr = False, V_T: tl.constexpr = False,
-    SKIP_PAST: tl.constexpr = False,
+    SKIP_PAST: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     # num_splits is a runtime int (one compiled kernel serves every split count);
     # WRITE_OUT (num_splits == 1) writes the normalized output directly, skipping the reduce
     row, kv_head, split = _decode_program(order_ptr, NUM_Q_HEADS // GROUP, LONGEST_FIRST)
@@ -580,8 +582,9 @@ def _reduce_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_splits,
     stride_ot, stride_oh, stride_od,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + row)
@@ -821,16 +824,17 @@ def _longest_first(meta: AttentionMetadata) -> torch.Tensor:
             order = torch.empty(lens.shape[0], dtype=torch.int32, device=lens.device)
             if lens.shape[0]:
                 _rank_kernel[(lens.shape[0],)](lens, order, lens.shape[0], BLOCK=RANK_BLOCK,
-                                               num_warps=4)
+                                               num_warps=4, **pdl_launch(lens))
         meta.derived["longest_first"] = order
     return order
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # see _NO_RESPECIALIZE
-def _rank_kernel(ctx_ptr, order_ptr, num_rows, BLOCK: tl.constexpr):
+def _rank_kernel(ctx_ptr, order_ptr, num_rows, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     # program i puts row i at its place: the rows with longer contexts, and the rows before it
     # with as long a one, go ahead of it (RANK_KERNEL). The rows are counted BLOCK at a time,
     # so one compiled variant serves every row count.
+    pdl_enter(PDL)
     i = tl.program_id(0)
     mine = tl.load(ctx_ptr + i)
     ahead = tl.zeros([BLOCK], dtype=tl.int32)
@@ -864,7 +868,7 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
         BLOCK_N=_block_n(cfg, k_cache, flags), WRITE_OUT=num_splits == 1,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, LONGEST_FIRST=order is not None, SKIP_PAST=SKIP_PAST_END,
-        **flags,
+        **flags, **pdl_launch(q),
         **_register_cap(cfg, q),
     )
     reduce_splits(part_o, part_lse, out, qsl, num_rows, num_splits)
@@ -890,5 +894,5 @@ def reduce_splits(part_o, part_lse, out, qsl, num_rows: int, num_splits: int) ->
         _reduce_kernel[(num_rows, num_q_heads)](
             part_o, part_lse, out, qsl, num_splits, *out.stride(),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim),
-            BLOCK_S=_pow2(num_splits), num_warps=4,
+            BLOCK_S=_pow2(num_splits), num_warps=4, **pdl_launch(out),
         )

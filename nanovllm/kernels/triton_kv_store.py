@@ -14,6 +14,7 @@ import triton.language as tl
 
 from nanovllm.kernels.torch_attention import v_transposed
 from nanovllm.kernels.triton_ops import qk_norm_rope, qk_norm_rope_program, rope_launch
+from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
 FP8_MAX = tl.constexpr(448.0)  # the largest float8 e4m3 value
 
@@ -27,8 +28,9 @@ def _store_kv_kernel(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr = False,
+    V_T: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     _store_token(
         tl.program_id(0), k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
         stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
@@ -154,8 +156,9 @@ def _rope_store_kernel(
     HAS_NORM: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr = False,
+    V_T: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     # program (token, 0) rotates the token's q heads; (token, 1) its k heads, then stores the
     # rotated K and the V into the cache
     tok, which = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -195,7 +198,7 @@ def qk_norm_rope_store(
     _rope_store_kernel[(q.shape[0], 2)](
         *args, v, k_cache, v_cache, slot_mapping,
         *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        **consts, **_store_consts(k, k_cache, v_cache),
+        **consts, **_store_consts(k, k_cache, v_cache), **pdl_launch(k),
     )
     return q, k
 
@@ -217,7 +220,7 @@ def store_kv(
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        **_store_consts(k, k_cache, v_cache),
+        **_store_consts(k, k_cache, v_cache), **pdl_launch(k),
     )
 
 

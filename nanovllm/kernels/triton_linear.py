@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
+
 # rows -> (block_m, block_n, block_k, stages), from sweeps on the H200 at Qwen3-0.6B's two
 # shapes, each tile timed with the norm that sums its partials (BENCHMARKS.md: 1.05-1.53x
 # over cuBLAS and the norm); above the last row count, cuBLAS
@@ -48,7 +50,8 @@ class SplitK:
 @triton.jit
 def _split_k_kernel(x_ptr, w_ptr, parts_ptr, M, N, K, k_len, stride_x, stride_w,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     # program (m tile, n tile, split): x[m tile, split's k] @ w[n tile, split's k]^T -> parts
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -100,5 +103,5 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
         x, weight, parts, m, n, k, k // splits, x.stride(0), weight.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=stages)
+        num_warps=4, num_stages=stages, **pdl_launch(x))
     return SplitK(parts, x.dtype)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.triton_linear import SplitK
+from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
 
 def _pow2(n: int) -> int:
@@ -50,7 +51,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     PARTS: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -103,6 +106,7 @@ def _launch_norm(x2, r2, ro2, weight, out2, eps, parts: torch.Tensor | None = No
         BLOCK=block,
         PARTS=parts.shape[0] if parts is not None else 0,
         num_warps=_warps(block),
+        **pdl_launch(x2),
     )
 
 
@@ -342,7 +346,9 @@ def rope_launch(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -365,6 +371,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(_pow2(n), 1024)  # several programs per row: a decode step has few rows
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
-        x2, out.view(-1, n), x2.stride(0), n, n, BLOCK=block, num_warps=_warps(block, cap=4)
+        x2, out.view(-1, n), x2.stride(0), n, n, BLOCK=block, num_warps=_warps(block, cap=4),
+        **pdl_launch(x2),
     )
     return out

@@ -47,7 +47,8 @@ class Recorder:
 
 
 def _signature(fn, args, kwargs):
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl")
+               if k in kwargs}
     values = dict(zip(fn.arg_names, args)) | kwargs
     keep_generic = {n if isinstance(n, str) else fn.arg_names[n]
                     for n in fn.do_not_specialize or ()}
@@ -252,6 +253,10 @@ def main() -> None:
                 for call in record(kv_dtype, scales)]
     launches += [("sampler", call) for call in record_sampler()]
     launches += [("split-k", call) for call in record_split_k()]
+    if "--pdl" in sys.argv[1:]:  # each kernel as programmatic dependent launch has it
+        for _, (fn, _, kwargs) in launches:
+            if "PDL" in fn.arg_names:
+                kwargs.update(PDL=True, launch_pdl=True)
     for case, (fn, args, kwargs) in launches:
         sig, consts, attrs, options = _signature(fn, args, dict(kwargs))
         out = {"kernel": fn.__name__, "case": case, "fp8_p": kwargs.get("FP8_P"),
@@ -272,7 +277,8 @@ def main() -> None:
             out["stores"] = len(re.findall(r"st\.shared[.\w]*", ptx))
             # the instructions the sampler's noise costs (Philox rounds, logarithms)
             out["ops"] = {op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))
-                          for op in ("mul.hi.u32", "lg2.approx.f32", "cvt.rn.f16x2.e4m3x2")}
+                          for op in ("mul.hi.u32", "lg2.approx.f32", "cvt.rn.f16x2.e4m3x2",
+                                     "griddepcontrol.wait")}
             # fp8 operands on the tensor cores as they are (the experimental decode)
             out["ops"]["wgmma e4m3"] = len(re.findall(r"wgmma\.mma_async[.\w]*e4m3", ptx))
             # Hopper's warpgroup MMA against Ampere's warp MMA: which tensor-core path a dot took

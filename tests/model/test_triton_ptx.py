@@ -99,3 +99,33 @@ def test_attention_kernels_compile_for_sm90_with_vector_loads():
     sampler = next(r for r in results if r["case"] == "sampler")
     assert sampler["ops"]["mul.hi.u32"] <= 100, sampler
     assert sampler["ops"]["lg2.approx.f32"] > 0, sampler
+
+
+PDL_KERNELS = ("_store_kv_kernel", "_rope_store_kernel", "_decode_kernel", "_reduce_kernel",
+               "_rank_kernel", "_split_k_kernel")
+
+
+def test_kernels_compile_as_programmatic_dependent_launches():
+    """With kernels/triton_pdl.py's PDL (off by default) each step kernel is launched with
+    launch_pdl and waits for the kernel before it (griddepcontrol.wait) before touching
+    memory: each compiles for sm_90 so, the waits in place."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "tests.model.sm90_ptx", "--pdl"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    if results and "unsupported" in results[-1]:
+        pytest.skip(results[-1]["unsupported"])
+    waits = {r["kernel"]: r["ops"]["griddepcontrol.wait"] for r in results
+             if r["kernel"] in PDL_KERNELS and "error" not in r}
+    assert set(waits) == set(PDL_KERNELS), [r for r in results if "error" in r]
+    assert all(n >= 1 for n in waits.values()), waits
+
+
+def test_pdl_is_never_taken_off_a_gpu(monkeypatch):
+    import torch
+
+    from nanovllm.kernels import triton_pdl
+
+    monkeypatch.setattr(triton_pdl, "PDL", True)
+    assert triton_pdl.pdl_launch(torch.zeros(1)) == {"PDL": False}

@@ -1,0 +1,43 @@
+"""Programmatic dependent launch (PDL, sm_90 and later) for the Triton kernels of a step.
+
+A decode step is ~8 launches a layer, most of them a few microseconds long, so each one's
+launch and ramp-up, and the tail of the one before it, are a large share of the step. With
+PDL a kernel is launched with `launch_pdl`: the GPU may start its programs once every
+program of the kernel before it has started (and passed its own wait), and each program
+first waits (`griddepcontrol.wait`) until that kernel has finished and its writes are
+visible, then lets the next kernel launch. Nothing is read or written before the wait, so
+the order of the kernels' memory effects is the stream's. A kernel after a non-PDL one (a
+cuBLAS matmul) simply starts when it ends, as before.
+
+Off (`PDL = False`) until measured on the H200 (`scripts/gpu_plan.sh pdl`); CPU tensors
+and the interpreter never take it.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+PDL = False
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    # a kernel's first statement: wait for the kernel before it (finished, writes
+    # visible), then allow the one after it to launch
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """The launch arguments of a kernel over `t`'s device: `PDL` for the kernel's
+    pdl_enter, and Triton's `launch_pdl` where PDL is on and the device has it."""
+    on = PDL and t.is_cuda and _has_pdl(t.device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@functools.lru_cache(maxsize=8)
+def _has_pdl(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
