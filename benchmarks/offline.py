@@ -171,10 +171,10 @@ def set_attention_switches(args: argparse.Namespace) -> None:
         from nanovllm.worker import model_runner
 
         model_runner.FREEZE_GC_AFTER_SETUP = True
-    if args.pdl:
+    if args.no_pdl:
         from nanovllm.kernels import triton_pdl
 
-        triton_pdl.PDL = True
+        triton_pdl.PDL = False
 
 
 def set_decode_group_rows(rows: int, fp8: bool) -> None:
@@ -324,9 +324,9 @@ def main() -> None:
     ap.add_argument("--decode-programs-per-sm", type=int, metavar="N",
                     help="the decode's KV splits aim at N programs an SM (default: the "
                     "engine's, triton_attention.TARGET_PROGRAMS_PER_SM)")
-    ap.add_argument("--pdl", action="store_true",
-                    help="the step's Triton kernels as programmatic dependent launches "
-                    "(kernels/triton_pdl.py PDL, off by default)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="the step's Triton kernels as plain launches, not programmatic "
+                    "dependent ones (kernels/triton_pdl.py PDL off; before 2026-12-02)")
     ap.add_argument("--argsort-order", action="store_true",
                     help="the decode's longest-first order by torch's sort, not the ranking "
                     "kernel (triton_attention.RANK_KERNEL off; before 2026-12-01)")

@@ -63,11 +63,11 @@
 #                                     # ninth session) inside its process, or only the first
 #                                     # process?
 #   bash scripts/gpu_plan.sh pdl      # the step's Triton kernels as programmatic dependent
-#                                     # launches (kernels/triton_pdl.py PDL, switched on in
-#                                     # the tree on the device for the tests): the GPU engine
-#                                     # and kernel tests with it (SKIP_TESTS=1 skips them),
-#                                     # then the seed workload, fp8 and bf16, defaults against
-#                                     # --pdl, alternating, ROUNDS (2), after a warm-up run
+#                                     # launches (kernels/triton_pdl.py PDL, on): the GPU
+#                                     # engine and kernel tests (SKIP_TESTS=1 skips them),
+#                                     # then the seed workload, fp8 and bf16 (DTYPES), the
+#                                     # defaults against --no-pdl, alternating, ROUNDS (2),
+#                                     # after a warm-up run
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -238,19 +238,17 @@ case "$stage" in
     done ;;
   pdl)
     if [ -z "${SKIP_TESTS:-}" ]; then
-      sed -i "s/^PDL = False/PDL = True/" nanovllm/kernels/triton_pdl.py
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
         tests/engine/test_gpu_engine.py tests/engine/test_fp8_kv.py \
         tests/model/test_triton_linear.py tests/model/test_rope_store.py \
         tests/model/test_triton_attention.py -k "greedy or graph or fp8 or split or rope or longest" \
         2>&1 | tail -3 | tee "$OUT/pdl_tests.log"
-      sed -i "s/^PDL = True/PDL = False/" nanovllm/kernels/triton_pdl.py
     fi
     offline pdl_offline.log "warm-up, not counted" fp8
     for round in $(seq "${ROUNDS:-2}"); do
-      for dtype in fp8 auto; do
-        offline pdl_offline.log "round $round $dtype defaults" "$dtype"
-        offline pdl_offline.log "round $round $dtype pdl" "$dtype" --pdl
+      for dtype in ${DTYPES:-fp8 auto}; do
+        offline pdl_offline.log "round $round $dtype defaults (pdl)" "$dtype"
+        offline pdl_offline.log "round $round $dtype no pdl" "$dtype" --no-pdl
       done
     done ;;
   klayout)

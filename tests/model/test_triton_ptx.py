@@ -106,7 +106,7 @@ PDL_KERNELS = ("_store_kv_kernel", "_rope_store_kernel", "_decode_kernel", "_red
 
 
 def test_kernels_compile_as_programmatic_dependent_launches():
-    """With kernels/triton_pdl.py's PDL (off by default) each step kernel is launched with
+    """With kernels/triton_pdl.py's PDL (on by default) each step kernel is launched with
     launch_pdl and waits for the kernel before it (griddepcontrol.wait) before touching
     memory: each compiles for sm_90 so, the waits in place."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
