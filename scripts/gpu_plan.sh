@@ -68,6 +68,9 @@
 #                                     # then the seed workload, fp8 and bf16 (DTYPES), the
 #                                     # defaults against --no-pdl, alternating, ROUNDS (2),
 #                                     # after a warm-up run
+#   bash scripts/gpu_plan.sh fresh    # every process as a new user's first: each with an empty
+#                                     # Triton cache, the seed workload, DTYPE (fp8), the
+#                                     # defaults against --gc-freeze, alternating, ROUNDS (3)
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -77,7 +80,7 @@
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, firstrun, pdl, tiles, syncs or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, firstrun, pdl, fresh, tiles, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -249,6 +252,14 @@ case "$stage" in
       for dtype in ${DTYPES:-fp8 auto}; do
         offline pdl_offline.log "round $round $dtype defaults (pdl)" "$dtype"
         offline pdl_offline.log "round $round $dtype no pdl" "$dtype" --no-pdl
+      done
+    done ;;
+  fresh)
+    for round in $(seq "${ROUNDS:-3}"); do
+      for flags in "" --gc-freeze; do
+        # shellcheck disable=SC2086
+        TRITON_CACHE_DIR=$(mktemp -d) offline fresh.log "round $round ${flags:-defaults}" \
+          "${DTYPE:-fp8}" $flags
       done
     done ;;
   klayout)
