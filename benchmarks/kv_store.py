@@ -31,7 +31,8 @@ import torch
 
 from nanovllm.kernels.torch_attention import fp8_width
 
-FORMATS = ("bf16", "fp8 one scale", "fp8 token scales, V rows", "fp8 token scales, V_T")
+FORMATS = ("bf16", "fp8 one scale", "fp8 token scales, V rows", "fp8 token scales, V_T",
+           "fp8 token scales, V_T in runs of 16")
 
 
 def make_cache(fmt: str, num_blocks: int, block_size: int, heads: int, head_dim: int,
@@ -47,12 +48,18 @@ def make_cache(fmt: str, num_blocks: int, block_size: int, heads: int, head_dim:
 
     width = fp8_width(head_dim, scaled=fmt != "fp8 one scale")
     k = torch.zeros(num_blocks, block_size, heads, width, dtype=torch.uint8, device=dev)
-    if fmt.endswith("V_T") and FP8_K_HEAD_MAJOR:  # the engine's K: head-major in each block
+    v_t = "V_T" in fmt
+    if v_t and FP8_K_HEAD_MAJOR:  # the engine's K: head-major in each block
         k = torch.zeros(num_blocks, heads, block_size, width, dtype=torch.uint8,
                         device=dev).permute(0, 2, 1, 3)
-    if fmt.endswith("V_T") or fmt == "fp8 one scale":
-        v = torch.zeros(num_blocks, heads, width, block_size, dtype=torch.uint8, device=dev)
-        return k, v.permute(0, 3, 1, 2)
+    if v_t or fmt == "fp8 one scale":
+        v = torch.zeros(num_blocks, heads, width, block_size, dtype=torch.uint8,
+                        device=dev).permute(0, 3, 1, 2)
+        if fmt.endswith("runs of 16"):  # kv_cache.FP8_V_RUN
+            from nanovllm.kernels.torch_attention import runs_view
+
+            v = runs_view(v, 16)
+        return k, v
     return k, torch.zeros_like(k)
 
 

@@ -65,19 +65,65 @@ def v_transposed(cache: torch.Tensor) -> bool:
     return cache.dim() == 4 and cache.stride(1) == 1 and cache.shape[1] > 1
 
 
+def v_run(cache: torch.Tensor) -> int:
+    """Positions per transposed run of a V cache stored in runs (worker/kv_cache.py
+    FP8_V_RUN): a head's block is [block_size / run] runs of [width, run] bytes. Its
+    [blocks, block_size, Hkv, width] view has unit stride over slots and steps rows by the
+    run, less than the block, which no other layout does; the view's positions past the
+    first run are not its own (read and written here through `run_parts`). 0 for any other
+    cache."""
+    return cache.stride(3) if v_transposed(cache) and cache.stride(3) < cache.shape[1] else 0
+
+
+def runs_view(cache: torch.Tensor, run: int) -> torch.Tensor:
+    """A V cache's [blocks, block_size, Hkv, width] bytes, each block-head's contiguous,
+    seen in the runs layout (`v_run`)."""
+    nb, bs, heads, width = cache.shape
+    sb, sh = cache.stride(0), cache.stride(2)
+    assert (heads == 1 or sh == bs * width) and bs % run == 0, "head-major blocks of runs"
+    return cache.as_strided((nb, bs, heads, width), (sb, 1, sh, run), cache.storage_offset())
+
+
+def run_parts(cache: torch.Tensor) -> torch.Tensor:
+    """A runs cache's bytes as [blocks, Hkv, runs, width, run], a view that does not
+    overlap itself."""
+    nb, bs, heads, width = cache.shape
+    run = v_run(cache)
+    return cache.as_strided((nb, heads, bs // run, width, run),
+                            (cache.stride(0), cache.stride(2), width * run, run, 1),
+                            cache.storage_offset())
+
+
 def _rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The cache's [len(slots), Hkv, width] rows at `slots`."""
     if cache.is_contiguous():
         return cache.view(-1, *cache.shape[2:]).index_select(0, slots)
     block_size = cache.shape[1]
+    if run := v_run(cache):
+        pos = slots % block_size
+        return run_parts(cache)[slots // block_size, :, pos // run, :, pos % run]
     return cache[slots // block_size, slots % block_size]
+
+
+def _blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """The cache's blocks at `tables` [..., n]: [..., n, block_size, Hkv, width]."""
+    if v_run(cache):
+        parts = run_parts(cache)[tables]  # [..., n, Hkv, runs, width, run]
+        nd = parts.dim()
+        order = (*range(nd - 4), nd - 3, nd - 1, nd - 4, nd - 2)
+        return parts.permute(order).flatten(nd - 4, nd - 3)
+    return cache[tables]
 
 
 def _write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     if cache.is_contiguous():
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
+        return
+    block_size = cache.shape[1]
+    if run := v_run(cache):
+        pos = slots % block_size
+        run_parts(cache)[slots // block_size, :, pos // run, :, pos % run] = rows
     else:
-        block_size = cache.shape[1]
         cache[slots // block_size, slots % block_size] = rows
 
 
@@ -201,8 +247,8 @@ def _decode_batched(q, k_cache, v_cache, meta, scale, rows, starts, out) -> None
     row_idx = torch.tensor(rows, device=q.device)
     tok_idx = torch.tensor([starts[i] for i in rows], device=q.device)
     tables = meta.block_tables[row_idx, :num_blocks].long()
-    k = _read(k_cache[tables].flatten(1, 2), q.shape[-1], q.dtype)  # [R, L, Hkv, D]
-    v = _read(v_cache[tables].flatten(1, 2), q.shape[-1], q.dtype)
+    k = _read(_blocks(k_cache, tables).flatten(1, 2), q.shape[-1], q.dtype)  # [R, L, Hkv, D]
+    v = _read(_blocks(v_cache, tables).flatten(1, 2), q.shape[-1], q.dtype)
     lens = meta.context_lens[row_idx].to(q.device)
     mask = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # [R, L]
     qr = q[tok_idx].unsqueeze(2)  # [R, Hq, 1, D]

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.torch_attention import v_transposed
+from nanovllm.kernels.torch_attention import v_run, v_transposed
 from nanovllm.kernels.triton_ops import qk_norm_rope, qk_norm_rope_program, rope_launch
 from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
@@ -28,7 +28,7 @@ def _store_kv_kernel(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr = False, PDL: tl.constexpr = False,
+    V_T: tl.constexpr = False, V_RUN: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     _store_token(
@@ -36,7 +36,7 @@ def _store_kv_kernel(
         stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
         stride_kcb, stride_kcs, stride_kch, stride_kcd,
         stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T,
+        NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, V_RUN,
     )
 
 
@@ -49,9 +49,10 @@ def _store_token(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr,
+    V_T: tl.constexpr, V_RUN: tl.constexpr,
 ):
-    # token `tok`'s K/V [heads, head_dim] into its slot (-1: none)
+    # token `tok`'s K/V [heads, head_dim] into its slot (-1: none). V_RUN: V in runs of that
+    # many positions, stride_vcs the runs' stride (torch_attention.v_run, _v_strides)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     # clamp so a skipped (-1) slot never forms an address before the cache, even masked
     safe = tl.maximum(slot, 0)
@@ -67,7 +68,10 @@ def _store_token(
     v = tl.load(v_ptr + src * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
                 mask=mask)
     kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs
-    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs
+    if V_RUN:
+        vc = v_cache_ptr + blk * stride_vcb + (off // V_RUN) * stride_vcs + off % V_RUN
+    else:
+        vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs
     if FP8:
         head_mask = offs_h < tl.where(slot >= 0, NUM_HEADS, 0)
         _store_fp8(kc, k, mask, head_mask, offs_h, offs_d, stride_kch, stride_kcd,
@@ -156,7 +160,7 @@ def _rope_store_kernel(
     HAS_NORM: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr = False, PDL: tl.constexpr = False,
+    V_T: tl.constexpr = False, V_RUN: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     # program (token, 0) rotates the token's q heads; (token, 1) its k heads, then stores the
@@ -175,7 +179,7 @@ def _rope_store_kernel(
             stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
             stride_kcb, stride_kcs, stride_kch, stride_kcd,
             stride_vcb, stride_vcs, stride_vch, stride_vcd,
-            NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T,
+            NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, V_RUN,
         )
 
 
@@ -197,7 +201,7 @@ def qk_norm_rope_store(
     args, consts = launch
     _rope_store_kernel[(q.shape[0], 2)](
         *args, v, k_cache, v_cache, slot_mapping,
-        *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        *v.stride(), *k_cache.stride(), *v_strides(v_cache),
         **consts, **_store_consts(k, k_cache, v_cache), **pdl_launch(k),
     )
     return q, k
@@ -219,7 +223,7 @@ def store_kv(
         return
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_strides(v_cache),
         **_store_consts(k, k_cache, v_cache), **pdl_launch(k),
     )
 
@@ -232,17 +236,27 @@ def _store_consts(k: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
                 **_fp8_flags(k_cache, v_cache, head_dim))
 
 
+def v_strides(v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """The V cache's strides as the kernels take them: in runs (torch_attention.v_run),
+    the slot stride's place holds the runs' stride (a run's [width, run] bytes), which the
+    view cannot say."""
+    sb, ss, sh, sd = v_cache.stride()
+    run = v_run(v_cache)
+    return (sb, v_cache.shape[-1] * run, sh, sd) if run else (sb, ss, sh, sd)
+
+
 def _fp8_flags(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
                q: torch.Tensor | None = None) -> dict:
     """The cache format's kernel flags. A cache of bytes holds float8 e4m3
     (kv_cache_dtype="fp8"); one wider than head_dim holds each token-head's float32 scale
     after its values (torch_attention's format); V_T: the V cache is stored transposed
-    within each block (worker/kv_cache.py). With the attention's query `q`: FP8_ASM,
+    within each block (worker/kv_cache.py), V_RUN in runs of that many positions (0: the
+    whole block; `v_strides`). With the attention's query `q`: FP8_ASM,
     whether the tiles are converted by PTX into float16 and the dots run in float16 (a
     bf16/fp16 query on a GPU; see _load_kv_tile)."""
     fp8 = k_cache.dtype == torch.uint8
     flags = dict(FP8=fp8, SCALED=fp8 and k_cache.shape[-1] > head_dim,
-                 V_T=v_transposed(v_cache))
+                 V_T=v_transposed(v_cache), V_RUN=v_run(v_cache))
     if q is not None:
         flags["FP8_ASM"] = fp8 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     return flags

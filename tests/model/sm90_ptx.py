@@ -81,7 +81,7 @@ def _signature(fn, args, kwargs):
     return sig, consts, attrs, options
 
 
-def record(kv_cache_dtype: str, scales: str) -> list:
+def record(kv_cache_dtype: str, scales: str, v_run: int = 0) -> list:
     import importlib
 
     from nanovllm.kernels.attention_metadata import AttentionMetadata
@@ -106,6 +106,10 @@ def record(kv_cache_dtype: str, scales: str) -> list:
     cache = [torch.zeros(blocks, BS, HKV, fmt.width, dtype=fmt.dtype) for _ in range(2)]
     if fmt.dtype == torch.uint8:  # an fp8 V cache is stored transposed (KVCache.bind)
         cache[1] = cache[1].view(blocks, HKV, fmt.width, BS).permute(0, 3, 1, 2)
+    if v_run:  # in runs, each head's together (kv_cache.FP8_V_RUN)
+        from nanovllm.kernels.torch_attention import runs_view
+
+        cache[1] = runs_view(cache[1], v_run)
     q = torch.zeros(tokens, HQ, D, dtype=torch.bfloat16)
     kv = torch.zeros(tokens, HKV, D, dtype=torch.bfloat16)
     starts = [0]
@@ -251,6 +255,9 @@ def main() -> None:
         return
     launches = [(case, call) for case, (kv_dtype, scales) in CASES.items()
                 for call in record(kv_dtype, scales)]
+    if "--v-runs" in sys.argv[1:]:  # and over V in runs of 8 and 16 positions
+        launches += [(f"fp8-v-runs-{run}", call) for run in (8, 16)
+                     for call in record("fp8", "token", v_run=run)]
     launches += [("sampler", call) for call in record_sampler()]
     launches += [("split-k", call) for call in record_split_k()]
     if "--pdl" in sys.argv[1:]:  # each kernel as programmatic dependent launch has it

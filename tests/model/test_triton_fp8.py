@@ -206,3 +206,59 @@ def test_store_kv_writes_finite_bytes_only(triton_device, scaled):
             assert torch.isfinite(values).all()
             assert values[0, 0, 0, :5].eq(0).all() and values[0, 2].eq(0).all()
     assert torch.equal(caches["torch"][0], caches["triton"][0]) or triton_device != "cpu"
+
+
+def in_runs(v8: torch.Tensor, run: int) -> torch.Tensor:
+    """The same logical V cache stored as an engine with kv_cache.FP8_V_RUN stores it: each
+    block-head's bytes as runs of `run` positions, each run [width, run]."""
+    nb, bs, heads, width = v8.shape
+    if run >= bs:  # a run of the whole block: the transposed layout itself
+        return transposed(v8)
+    view = ta.runs_view(torch.zeros_like(transposed(v8)), run)
+    assert ta.v_run(view) == run and ta.v_transposed(view)
+    ta.run_parts(view).copy_(v8.view(nb, bs // run, run, heads, width).permute(0, 3, 1, 4, 2))
+    return view
+
+
+@pytest.mark.parametrize("run", [8, 16])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_attention_over_v_in_runs(triton_device, case, run):
+    """V transposed in runs of 8 or 16 positions, each head's runs together: the Triton
+    kernels (prefill, prefix hits, decode with and without splits, mixed) and the torch
+    reference over it both give the attention of the row-major caches."""
+    c, k8, v8, attend = fp8_case(case, True, triton_device)
+    d = c.q.shape[-1]
+    v8, k8 = finite_unread(v8, d, True), finite_unread(k8, d, True)
+    vr = in_runs(v8, run)
+    assert torch.equal(ta._blocks(vr, torch.arange(v8.shape[0], device=v8.device)), v8)
+    kd, vd = (ta.dequantize_fp8(x, d, torch.float32) for x in (k8, v8))
+    check_close(attend(k8, vr), reference(c.q, kd, vd, c.meta, c.scale), torch.float32,
+                case[0])
+    torch.testing.assert_close(ta.paged_attention(c.q, k8, vr, c.meta, c.scale),
+                               ta.paged_attention(c.q, k8, v8, c.meta, c.scale), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("run", [8, 16])
+def test_store_kv_into_v_in_runs(triton_device, run):
+    """Both backends' stores into V in runs leave the logical bytes their stores into a
+    row-major cache leave."""
+    torch.manual_seed(5)
+    tokens, heads, dim, bs, blocks = 40, 2, 64, 32, 4
+    width = ta.fp8_width(dim, True)
+    k, v = torch.randn(tokens, heads, dim), torch.randn(tokens, heads, dim)
+    slots = torch.randperm(blocks * bs)[:tokens]
+    slots[::7] = -1
+    want_k = torch.zeros(blocks, bs, heads, width, dtype=torch.uint8)
+    want_v = torch.zeros_like(want_k)
+    ta.store_kv(k, v, want_k, want_v, slots)
+    everything = torch.arange(blocks)
+    for backend, dev in ((ta, "cpu"), (tb, triton_device)):
+        vr = in_runs(torch.zeros_like(want_v, device=dev), run)
+        backend.store_kv(k.to(dev), v.to(dev), torch.zeros_like(want_k, device=dev), vr,
+                         slots.to(dev))
+        got = ta._blocks(vr, everything.to(dev)).cpu()
+        if dev == "cpu":
+            assert torch.equal(got, want_v), backend.__name__
+        else:  # a GPU's division may round the last bit of a few quotients differently
+            a, b = (ta.dequantize_fp8(x, dim, torch.float32) for x in (got, want_v))
+            torch.testing.assert_close(a, b, rtol=0.13, atol=1e-6)
