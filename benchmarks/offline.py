@@ -171,6 +171,10 @@ def set_attention_switches(args: argparse.Namespace) -> None:
         from nanovllm.worker import model_runner
 
         model_runner.FREEZE_GC_AFTER_SETUP = True
+    if args.k_scale_plane:
+        from nanovllm.worker import kv_cache
+
+        kv_cache.FP8_K_SCALE_PLANE = True
     if args.no_pdl:
         from nanovllm.kernels import triton_pdl
 
@@ -324,6 +328,9 @@ def main() -> None:
     ap.add_argument("--decode-programs-per-sm", type=int, metavar="N",
                     help="the decode's KV splits aim at N programs an SM (default: the "
                     "engine's, triton_attention.TARGET_PROGRAMS_PER_SM)")
+    ap.add_argument("--k-scale-plane", action="store_true",
+                    help="an fp8 K cache with each block-head's scales in a plane after its "
+                    "values (kv_cache.FP8_K_SCALE_PLANE)")
     ap.add_argument("--no-pdl", action="store_true",
                     help="the step's Triton kernels as plain launches, not programmatic "
                     "dependent ones (kernels/triton_pdl.py PDL off; before 2026-12-02)")

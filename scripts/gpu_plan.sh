@@ -71,6 +71,12 @@
 #   bash scripts/gpu_plan.sh fresh    # every process as a new user's first: each with an empty
 #                                     # Triton cache, the seed workload, DTYPE (fp8), the
 #                                     # defaults against --gc-freeze, alternating, ROUNDS (3)
+#   bash scripts/gpu_plan.sh kplane   # an fp8 K cache's scales in a plane after each
+#                                     # block-head's values (kv_cache.FP8_K_SCALE_PLANE): its
+#                                     # GPU tests, the decode kernel (attention.py --k-plane),
+#                                     # then the seed workload, fp8, defaults against
+#                                     # --k-scale-plane, alternating, ROUNDS (2), after a
+#                                     # warm-up run (SKIP_TESTS=1, SKIP_ATTN=1 skip parts)
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -80,7 +86,7 @@
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, firstrun, pdl, fresh, tiles, syncs or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, firstrun, pdl, fresh, kplane, tiles, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -261,6 +267,19 @@ case "$stage" in
         TRITON_CACHE_DIR=$(mktemp -d) offline fresh.log "round $round ${flags:-defaults}" \
           "${DTYPE:-fp8}" $flags
       done
+    done ;;
+  kplane)
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_triton_fp8.py \
+        tests/model/test_triton_fp8_decode.py tests/engine/test_fp8_kv.py 2>&1 | tail -3 \
+        | tee "$OUT/kplane_tests.log"
+    fi
+    [ -n "${SKIP_ATTN:-}" ] || timeout 150 python3 -m benchmarks.attention --k-plane 2>&1 \
+      | tee "$OUT/kplane_attention.log" | tail -16
+    offline kplane.log "warm-up, not counted" fp8
+    for round in $(seq "${ROUNDS:-2}"); do
+      offline kplane.log "round $round defaults" fp8
+      offline kplane.log "round $round k scale plane" fp8 --k-scale-plane
     done ;;
   klayout)
     flip() { sed -i "s/^FP8_K_HEAD_MAJOR = .*/FP8_K_HEAD_MAJOR = $1/" nanovllm/worker/kv_cache.py; }

@@ -81,7 +81,7 @@ def _signature(fn, args, kwargs):
     return sig, consts, attrs, options
 
 
-def record(kv_cache_dtype: str, scales: str) -> list:
+def record(kv_cache_dtype: str, scales: str, k_plane: bool = False) -> list:
     import importlib
 
     from nanovllm.kernels.attention_metadata import AttentionMetadata
@@ -106,6 +106,11 @@ def record(kv_cache_dtype: str, scales: str) -> list:
     cache = [torch.zeros(blocks, BS, HKV, fmt.width, dtype=fmt.dtype) for _ in range(2)]
     if fmt.dtype == torch.uint8:  # an fp8 V cache is stored transposed (KVCache.bind)
         cache[1] = cache[1].view(blocks, HKV, fmt.width, BS).permute(0, 3, 1, 2)
+    if k_plane:  # K head-major, its scales in a plane (kv_cache.FP8_K_SCALE_PLANE)
+        from nanovllm.kernels.torch_attention import scale_plane_view
+
+        heads = cache[0].view(blocks, HKV, BS, fmt.width).permute(0, 2, 1, 3)
+        cache[0] = scale_plane_view(heads, D)
     q = torch.zeros(tokens, HQ, D, dtype=torch.bfloat16)
     kv = torch.zeros(tokens, HKV, D, dtype=torch.bfloat16)
     starts = [0]
@@ -251,6 +256,8 @@ def main() -> None:
         return
     launches = [(case, call) for case, (kv_dtype, scales) in CASES.items()
                 for call in record(kv_dtype, scales)]
+    if "--k-plane" in sys.argv[1:]:  # and over a K cache with its scales in a plane
+        launches += [("fp8-k-plane", call) for call in record("fp8", "token", k_plane=True)]
     launches += [("sampler", call) for call in record_sampler()]
     launches += [("split-k", call) for call in record_split_k()]
     if "--pdl" in sys.argv[1:]:  # each kernel as programmatic dependent launch has it
