@@ -108,6 +108,12 @@ class Batch:
             self.k_cache = self.k_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
             if kv == "bf16-heads":  # (an fp8 V is head-major already: transposed per head)
                 self.v_cache = self.v_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+        if kv.endswith("-plane"):  # K's scales in a plane (kv_cache.FP8_K_SCALE_PLANE)
+            logical = self.k_cache
+            self.k_cache = ta.scale_plane_view(torch.zeros_like(logical), D)
+            values, scales = ta.scale_plane_parts(self.k_cache)
+            values.copy_(logical[..., :D])
+            scales.copy_(logical[..., D:D + 4])
         pairs = sum(sum(range(c - q + 1, c + 1)) for q, c in rows)
         self.flops = 4 * HQ * D * pairs
         self._expected = None
@@ -519,6 +525,7 @@ ONLY = (
     ("--decode-buffers", "only both caches' decode at multi-buffered tiles"),
     ("--kv-layouts", "only both caches' decode over position- and head-major blocks"),
     ("--v-runs", "only the fp8 decode over V transposed whole blocks against runs of 16"),
+    ("--k-plane", "only the fp8 decode over K's padded rows against K's scales in a plane"),
     ("--group-rows", "only both caches' decode with dots of 16 rows against the group's"),
     ("--skip-past", "only the fp8 decode reading its last tiles to the end or whole"),
     ("--fp8-splits", "only the fp8 decode's split counts at small batches"),
@@ -553,6 +560,7 @@ def main() -> int:
               "prefill": prefill_sweep, "fp8_decode": fp8_decode_table,  # flags, in order
               "fp8_registers": dt.fp8_register_table, "decode_buffers": dt.decode_buffers_table,
               "kv_layouts": dt.kv_layout_table, "v_runs": dt.v_runs_table,
+              "k_plane": dt.k_plane_table,
               "group_rows": dt.group_rows_table,
               "skip_past": dt.skip_past_table, "fp8_splits": dt.fp8_split_table}
     chosen = [fn for name, fn in tables.items() if getattr(args, name)]

@@ -79,6 +79,26 @@ def v_runs_table(table: Table) -> None:
         del batches
 
 
+def k_plane_table(table: Table) -> None:
+    """The fp8 decode (blocks of 128, the engine's tiles) over K head-major with each row's
+    scale after its values, padded to 144 bytes (the engine's), against K's scales in a
+    plane after each block-head's values (kv_cache.FP8_K_SCALE_PLANE: 132 bytes a position
+    read instead of 144), alternating twice. CUDA-graph times; both checked against the
+    reference."""
+    for name, rows in (("decode seed contexts", seed_decode_rows(256)),
+                       ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000)),
+                       ("decode B=64 seed contexts", seed_decode_rows(64))):
+        batches = {}
+        for kv in ("fp8-token", "fp8-token-plane"):
+            batches[kv] = make_batch(table, f"{name} bs=128 {kv}", rows, 128, kv)
+        if not all(batches.values()):
+            continue
+        for _ in range(2):
+            for kv, batch in batches.items():
+                run_triton(table, f"{name} bs=128 {kv}", "engine", batch, graph=True)
+        del batches
+
+
 def skip_past_table(table: Table) -> None:
     """The fp8 decode (blocks of 128, the engine's tiles) reading nothing past each row's
     end (triton_attention.SKIP_PAST_END, the default) against reading its last tile whole,

@@ -175,6 +175,10 @@ def set_attention_switches(args: argparse.Namespace) -> None:
         from nanovllm.worker import kv_cache
 
         kv_cache.FP8_V_RUN = 16
+    if args.k_scale_plane:
+        from nanovllm.worker import kv_cache
+
+        kv_cache.FP8_K_SCALE_PLANE = True
     if args.no_pdl:
         from nanovllm.kernels import triton_pdl
 
@@ -331,6 +335,9 @@ def main() -> None:
     ap.add_argument("--v-runs", action="store_true",
                     help="an fp8 V cache transposed in runs of 16 positions, each head's "
                     "together (kv_cache.FP8_V_RUN)")
+    ap.add_argument("--k-scale-plane", action="store_true",
+                    help="an fp8 K cache with each block-head's scales in a plane after its "
+                    "values (kv_cache.FP8_K_SCALE_PLANE)")
     ap.add_argument("--no-pdl", action="store_true",
                     help="the step's Triton kernels as plain launches, not programmatic "
                     "dependent ones (kernels/triton_pdl.py PDL off; before 2026-12-02)")

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.torch_attention import v_run, v_transposed
+from nanovllm.kernels.torch_attention import k_scale_plane, v_run, v_transposed
 from nanovllm.kernels.triton_ops import qk_norm_rope, qk_norm_rope_program, rope_launch
 from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
@@ -28,7 +28,8 @@ def _store_kv_kernel(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr = False, V_RUN: tl.constexpr = 0, PDL: tl.constexpr = False,
+    V_T: tl.constexpr = False, V_RUN: tl.constexpr = 0, K_PLANE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     _store_token(
@@ -37,6 +38,7 @@ def _store_kv_kernel(
         stride_kcb, stride_kcs, stride_kch, stride_kcd,
         stride_vcb, stride_vcs, stride_vch, stride_vcd,
         NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, V_RUN,
+        K_PLANE,
     )
 
 
@@ -49,7 +51,7 @@ def _store_token(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr, V_RUN: tl.constexpr,
+    V_T: tl.constexpr, V_RUN: tl.constexpr, K_PLANE: tl.constexpr,
 ):
     # token `tok`'s K/V [heads, head_dim] into its slot (-1: none). V_RUN: V in runs of that
     # many positions, stride_vcs the runs' stride (torch_attention.v_run, _v_strides)
@@ -74,10 +76,14 @@ def _store_token(
         vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs
     if FP8:
         head_mask = offs_h < tl.where(slot >= 0, NUM_HEADS, 0)
-        _store_fp8(kc, k, mask, head_mask, offs_h, offs_d, stride_kch, stride_kcd,
+        if K_PLANE:  # the block-head's scales after its values (torch_attention.k_scale_plane)
+            k_scale_at = k_cache_ptr + blk * stride_kcb + BLOCK_SIZE * stride_kcs + 4 * off
+        else:
+            k_scale_at = kc + HEAD_DIM * stride_kcd
+        _store_fp8(kc, k_scale_at, k, mask, head_mask, offs_h, offs_d, stride_kch, stride_kcd,
                    HEAD_DIM, SCALED, False)
-        _store_fp8(vc, v, mask, head_mask, offs_h, offs_d, stride_vch, stride_vcd,
-                   HEAD_DIM, SCALED, V_T)
+        _store_fp8(vc, vc + HEAD_DIM * stride_vcd, v, mask, head_mask, offs_h, offs_d,
+                   stride_vch, stride_vcd, HEAD_DIM, SCALED, V_T)
     else:
         tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
                  k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -86,10 +92,11 @@ def _store_token(
 
 
 @triton.jit
-def _store_fp8(cache, x, mask, head_mask, offs_h, offs_d, stride_h, stride_d,
+def _store_fp8(cache, scale_at, x, mask, head_mask, offs_h, offs_d, stride_h, stride_d,
                HEAD_DIM: tl.constexpr, SCALED: tl.constexpr, PLANES: tl.constexpr):
     # the torch reference's quantize_fp8: float8 e4m3 bytes, then (SCALED) each head's
-    # float32 scale amax / 448 in the 4 bytes after its values. In a cache stored
+    # float32 scale amax / 448 at `scale_at` (head 0's; the 4 bytes after its values, or a
+    # K cache's scale plane). In a cache stored
     # transposed (PLANES: an fp8 V cache, worker/kv_cache.py) those 4 bytes are stride_d
     # apart, each in its own row of the block
     # NaN stored as 0, +-inf as +-float32 max, as the reference does: the cache holds finite
@@ -106,8 +113,7 @@ def _store_fp8(cache, x, mask, head_mask, offs_h, offs_d, stride_h, stride_d,
                 tl.store(cache + offs_h * stride_h + (HEAD_DIM + j) * stride_d,
                          ((bits >> (8 * j)) & 0xFF).to(tl.uint8), mask=head_mask)
         else:
-            scale_ptr = (cache + offs_h * stride_h + HEAD_DIM * stride_d).to(
-                tl.pointer_type(tl.float32))
+            scale_ptr = (scale_at + offs_h * stride_h).to(tl.pointer_type(tl.float32))
             tl.store(scale_ptr, scale, mask=head_mask)
     x = _round_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
     tl.store(cache + offs_h[:, None] * stride_h + offs_d[None, :] * stride_d,
@@ -160,7 +166,8 @@ def _rope_store_kernel(
     HAS_NORM: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr = False, V_RUN: tl.constexpr = 0, PDL: tl.constexpr = False,
+    V_T: tl.constexpr = False, V_RUN: tl.constexpr = 0, K_PLANE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     # program (token, 0) rotates the token's q heads; (token, 1) its k heads, then stores the
@@ -180,6 +187,7 @@ def _rope_store_kernel(
             stride_kcb, stride_kcs, stride_kch, stride_kcd,
             stride_vcb, stride_vcs, stride_vch, stride_vcd,
             NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, V_RUN,
+            K_PLANE,
         )
 
 
@@ -251,12 +259,17 @@ def _fp8_flags(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
     (kv_cache_dtype="fp8"); one wider than head_dim holds each token-head's float32 scale
     after its values (torch_attention's format); V_T: the V cache is stored transposed
     within each block (worker/kv_cache.py), V_RUN in runs of that many positions (0: the
-    whole block; `v_strides`). With the attention's query `q`: FP8_ASM,
+    whole block; `v_strides`); K_PLANE: the K cache keeps each block-head's scales in a
+    plane after its values (torch_attention.k_scale_plane; only beside a transposed V, whose
+    kernels read K by blocks). With the attention's query `q`: FP8_ASM,
     whether the tiles are converted by PTX into float16 and the dots run in float16 (a
     bf16/fp16 query on a GPU; see _load_kv_tile)."""
     fp8 = k_cache.dtype == torch.uint8
     flags = dict(FP8=fp8, SCALED=fp8 and k_cache.shape[-1] > head_dim,
-                 V_T=v_transposed(v_cache), V_RUN=v_run(v_cache))
+                 V_T=v_transposed(v_cache), V_RUN=v_run(v_cache),
+                 K_PLANE=k_scale_plane(k_cache))
+    if flags["K_PLANE"] and not flags["V_T"]:
+        raise ValueError("a K cache with a scale plane needs a V cache stored transposed")
     if q is not None:
         flags["FP8_ASM"] = fp8 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     return flags

@@ -133,16 +133,20 @@ def test_fp8_settings_say_what_to_change(tiny_llama):
         LLM(str(tiny_llama), device="cpu", kv_cache_scales="head")
 
 
-@pytest.mark.parametrize("k_head_major, v_run", [(False, None), (True, None), (True, 16)],
-                         ids=["k-by-position", "k-by-head", "v-in-runs"])
+@pytest.mark.parametrize("k_head_major, v_run, k_plane",
+                         [(False, None, False), (True, None, False), (True, 16, False),
+                          (True, None, True), (True, 16, True)],
+                         ids=["k-by-position", "k-by-head", "v-in-runs", "k-scale-plane",
+                              "k-scale-plane-v-in-runs"])
 def test_triton_engine_on_fp8_equals_the_torch_one(tiny_llama, triton_device, k_head_major,
-                                                   v_run, monkeypatch):
+                                                   v_run, k_plane, monkeypatch):
     """The whole engine with the Triton kernels (on a CPU in Triton's interpreter) on an fp8
     cache: the bytes the reference stores, the attention it computes, so the same tokens;
-    with K's blocks laid out either way (kv_cache.FP8_K_HEAD_MAJOR) and V in runs
-    (FP8_V_RUN), as every kernel and the reference index the cache by its strides."""
+    with K's blocks laid out each way (kv_cache.FP8_K_HEAD_MAJOR, FP8_K_SCALE_PLANE) and V in
+    runs (FP8_V_RUN), as every kernel and the reference index the cache by its strides."""
     monkeypatch.setattr(kv_cache, "FP8_K_HEAD_MAJOR", k_head_major)
     monkeypatch.setattr(kv_cache, "FP8_V_RUN", v_run)
+    monkeypatch.setattr(kv_cache, "FP8_K_SCALE_PLANE", k_plane)
     prompts = make_prompts(seed=4, count=4, shared_prefix=8)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     outs = {}
@@ -151,7 +155,11 @@ def test_triton_engine_on_fp8_equals_the_torch_one(tiny_llama, triton_device, k_
                   kv_cache_dtype="fp8", num_kv_blocks=64, block_size=32 if v_run else 16,
                   attention_backend=backend)
         k = llm.engine.runner.model.attention_layers()[0].k_cache
-        assert (k.stride(1) == k.shape[-1]) == k_head_major  # positions adjacent: head-major
+        # positions adjacent: head-major; a position's values only: a scale plane
+        head_dim = llm.engine.model_config.head_dim
+        assert k.stride(1) == (head_dim if k_plane else k.shape[-1] if k_head_major
+                               else k.shape[-1] * k.shape[2])
+        assert ta.k_scale_plane(k) == k_plane
         assert ta.v_run(llm.engine.runner.model.attention_layers()[0].v_cache) == (v_run or 0)
         outs[backend] = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(outs["torch"], outs["triton"]):

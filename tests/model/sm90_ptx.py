@@ -81,7 +81,7 @@ def _signature(fn, args, kwargs):
     return sig, consts, attrs, options
 
 
-def record(kv_cache_dtype: str, scales: str, v_run: int = 0) -> list:
+def record(kv_cache_dtype: str, scales: str, v_run: int = 0, k_plane: bool = False) -> list:
     import importlib
 
     from nanovllm.kernels.attention_metadata import AttentionMetadata
@@ -110,6 +110,11 @@ def record(kv_cache_dtype: str, scales: str, v_run: int = 0) -> list:
         from nanovllm.kernels.torch_attention import runs_view
 
         cache[1] = runs_view(cache[1], v_run)
+    if k_plane:  # K head-major, its scales in a plane (kv_cache.FP8_K_SCALE_PLANE)
+        from nanovllm.kernels.torch_attention import scale_plane_view
+
+        heads = cache[0].view(blocks, HKV, BS, fmt.width).permute(0, 2, 1, 3)
+        cache[0] = scale_plane_view(heads, D)
     q = torch.zeros(tokens, HQ, D, dtype=torch.bfloat16)
     kv = torch.zeros(tokens, HKV, D, dtype=torch.bfloat16)
     starts = [0]
@@ -258,6 +263,8 @@ def main() -> None:
     if "--v-runs" in sys.argv[1:]:  # and over V in runs of 8 and 16 positions
         launches += [(f"fp8-v-runs-{run}", call) for run in (8, 16)
                      for call in record("fp8", "token", v_run=run)]
+    if "--k-plane" in sys.argv[1:]:  # and over a K cache with its scales in a plane
+        launches += [("fp8-k-plane", call) for call in record("fp8", "token", k_plane=True)]
     launches += [("sampler", call) for call in record_sampler()]
     launches += [("split-k", call) for call in record_split_k()]
     if "--pdl" in sys.argv[1:]:  # each kernel as programmatic dependent launch has it

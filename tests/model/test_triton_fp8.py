@@ -208,6 +208,66 @@ def test_store_kv_writes_finite_bytes_only(triton_device, scaled):
     assert torch.equal(caches["torch"][0], caches["triton"][0]) or triton_device != "cpu"
 
 
+def scale_plane(k8: torch.Tensor, d: int) -> torch.Tensor:
+    """The same logical K cache stored as an engine with kv_cache.FP8_K_SCALE_PLANE stores it:
+    each block-head's [block_size, d] value bytes, then its [block_size] float32 scales."""
+    heads = torch.zeros_like(k8).permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    plane = ta.scale_plane_view(heads, d)
+    assert ta.k_scale_plane(plane) and not ta.k_scale_plane(heads)
+    values, scales = ta.scale_plane_parts(plane)
+    values.copy_(k8[..., :d])
+    scales.copy_(k8[..., d:d + 4])
+    return plane
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_attention_over_a_k_scale_plane(triton_device, case):
+    """K's scales in a plane after each block-head's values, beside a transposed V: the
+    Triton kernels (prefill, prefix hits, decode with and without splits, mixed) and the
+    torch reference over it both give the attention of the row-major caches."""
+    c, k8, v8, attend = fp8_case(case, True, triton_device)
+    d = c.q.shape[-1]
+    v8 = finite_unread(v8, d, True)
+    k8 = finite_unread(k8, d, True)
+    kp, vt = scale_plane(k8, d), transposed(v8)
+    kd, vd = (ta.dequantize_fp8(x, d, torch.float32) for x in (k8, v8))
+    want = reference(c.q, kd, vd, c.meta, c.scale)
+    check_close(attend(kp, vt), want, torch.float32, case[0])
+    torch_got = ta.paged_attention(c.q, kp, vt, c.meta, c.scale)
+    torch.testing.assert_close(torch_got, ta.paged_attention(c.q, k8, v8, c.meta, c.scale),
+                               rtol=0, atol=0)
+
+
+def test_store_kv_into_a_k_scale_plane(triton_device):
+    """Both backends' stores into a scale-plane K (and a transposed V) leave the logical
+    bytes their stores into row-major caches leave, and nothing past a block-head's values
+    and plane is written."""
+    torch.manual_seed(4)
+    tokens, heads, dim, bs, blocks = 40, 2, 64, 16, 8
+    width = ta.fp8_width(dim, True)
+    k = torch.randn(tokens, heads, dim) * torch.logspace(-2, 2, tokens)[:, None, None]
+    v = torch.randn(tokens, heads, dim)
+    slots = torch.randperm(blocks * bs)[:tokens]
+    slots[::7] = -1
+    want_k = torch.zeros(blocks, bs, heads, width, dtype=torch.uint8)
+    want_v = torch.zeros_like(want_k)
+    ta.store_kv(k, v, want_k, want_v, slots)
+    everything = torch.arange(blocks)
+    for backend, dev in ((ta, "cpu"), (tb, triton_device)):
+        kp = scale_plane(torch.zeros_like(want_k, device=dev), dim)
+        vt = transposed(torch.zeros_like(want_v, device=dev))
+        backend.store_kv(k.to(dev), v.to(dev), kp, vt, slots.to(dev))
+        got_k = ta._blocks(kp, everything.to(dev)).cpu()
+        if dev == "cpu":
+            assert torch.equal(got_k, want_k), backend.__name__
+        else:  # a GPU's division may round the last bit of a few quotients differently
+            a, b = (ta.dequantize_fp8(x, dim, torch.float32) for x in (got_k, want_k))
+            torch.testing.assert_close(a, b, rtol=0.13, atol=1e-6)
+        # the 8 bytes a position past the plane stay as they were: zero
+        flat = kp.as_strided((blocks, heads, bs * width), (heads * bs * width, bs * width, 1))
+        assert not flat[..., bs * (dim + 4):].cpu().any(), backend.__name__
+
+
 def in_runs(v8: torch.Tensor, run: int) -> torch.Tensor:
     """The same logical V cache stored as an engine with kv_cache.FP8_V_RUN stores it: each
     block-head's bytes as runs of `run` positions, each run [width, run]."""
@@ -262,3 +322,15 @@ def test_store_kv_into_v_in_runs(triton_device, run):
         else:  # a GPU's division may round the last bit of a few quotients differently
             a, b = (ta.dequantize_fp8(x, dim, torch.float32) for x in (got, want_v))
             torch.testing.assert_close(a, b, rtol=0.13, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_attention_over_a_k_scale_plane_and_v_in_runs(triton_device, case):
+    """Both layouts at once (kv_cache.FP8_K_SCALE_PLANE and FP8_V_RUN): the attention of
+    the row-major caches."""
+    c, k8, v8, attend = fp8_case(case, True, triton_device)
+    d = c.q.shape[-1]
+    k8, v8 = finite_unread(k8, d, True), finite_unread(v8, d, True)
+    kd, vd = (ta.dequantize_fp8(x, d, torch.float32) for x in (k8, v8))
+    check_close(attend(scale_plane(k8, d), in_runs(v8, 16)),
+                reference(c.q, kd, vd, c.meta, c.scale), torch.float32, case[0])
