@@ -71,20 +71,11 @@
 #   bash scripts/gpu_plan.sh fresh    # every process as a new user's first: each with an empty
 #                                     # Triton cache, the seed workload, DTYPE (fp8), the
 #                                     # defaults against --gc-freeze, alternating, ROUNDS (3)
-#   bash scripts/gpu_plan.sh vheads   # an fp8 V cache transposed in runs of 16 positions, each
-#                                     # head's runs together (kv_cache.FP8_V_RUN): its GPU
-#                                     # tests, the store (kv_store.py) and the decode
-#                                     # (attention.py --v-runs), then the seed workload, fp8,
-#                                     # defaults against --v-runs, alternating, ROUNDS (2),
-#                                     # after a warm-up run (SKIP_TESTS=1, SKIP_KERNELS=1)
-#   bash scripts/gpu_plan.sh kplane   # an fp8 K cache's scales in a plane after each
-#                                     # block-head's values (kv_cache.FP8_K_SCALE_PLANE): its
-#                                     # GPU tests, the decode kernel (attention.py --k-plane),
-#                                     # then the seed workload, fp8, defaults against
-#                                     # --k-scale-plane, alternating, ROUNDS (2), after a
-#                                     # warm-up run (SKIP_TESTS=1, SKIP_ATTN=1 skip parts)
-#   bash scripts/gpu_plan.sh layouts  # both fp8 layouts above: the GPU tests, the store and the
-#                                     # decode over each, then the seed workload, fp8, defaults
+#   bash scripts/gpu_plan.sh layouts  # an fp8 K's scales in a plane (kv_cache.
+#                                     # FP8_K_SCALE_PLANE) and V in runs of 16 (FP8_V_RUN):
+#                                     # the GPU tests, the store (kv_store.py, warm and cold)
+#                                     # and the decode over each, then the seed workload, fp8,
+#                                     # defaults
 #                                     # / --k-scale-plane / --v-runs / both, alternating,
 #                                     # ROUNDS (2), after a warm-up run (SKIP_TESTS=1,
 #                                     # SKIP_KERNELS=1 skip parts)
@@ -97,7 +88,7 @@
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, firstrun, pdl, fresh, vheads, kplane, layouts, tiles, syncs or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, firstrun, pdl, fresh, layouts, tiles, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -278,39 +269,6 @@ case "$stage" in
         TRITON_CACHE_DIR=$(mktemp -d) offline fresh.log "round $round ${flags:-defaults}" \
           "${DTYPE:-fp8}" $flags
       done
-    done ;;
-  vheads)
-    if [ -z "${SKIP_TESTS:-}" ]; then
-      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_triton_fp8.py \
-        tests/model/test_triton_fp8_decode.py tests/engine/test_fp8_kv.py 2>&1 | tail -3 \
-        | tee "$OUT/vheads_tests.log"
-    fi
-    if [ -z "${SKIP_KERNELS:-}" ]; then
-      for cold in "" --cold; do
-        # shellcheck disable=SC2086
-        timeout 120 python3 -m benchmarks.kv_store --tokens 256 2048 $cold 2>&1 \
-          | tee -a "$OUT/vheads_store.log" | tail -12
-      done
-      timeout 150 python3 -m benchmarks.attention --v-runs 2>&1 \
-        | tee "$OUT/vheads_attention.log" | tail -16
-    fi
-    offline vheads.log "warm-up, not counted" fp8
-    for round in $(seq "${ROUNDS:-2}"); do
-      offline vheads.log "round $round defaults" fp8
-      offline vheads.log "round $round v runs" fp8 --v-runs
-    done ;;
-  kplane)
-    if [ -z "${SKIP_TESTS:-}" ]; then
-      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_triton_fp8.py \
-        tests/model/test_triton_fp8_decode.py tests/engine/test_fp8_kv.py 2>&1 | tail -3 \
-        | tee "$OUT/kplane_tests.log"
-    fi
-    [ -n "${SKIP_ATTN:-}" ] || timeout 150 python3 -m benchmarks.attention --k-plane 2>&1 \
-      | tee "$OUT/kplane_attention.log" | tail -16
-    offline kplane.log "warm-up, not counted" fp8
-    for round in $(seq "${ROUNDS:-2}"); do
-      offline kplane.log "round $round defaults" fp8
-      offline kplane.log "round $round k scale plane" fp8 --k-scale-plane
     done ;;
   layouts)
     if [ -z "${SKIP_TESTS:-}" ]; then

@@ -242,8 +242,25 @@ def test_store_kv_into_a_k_scale_plane(triton_device):
     """Both backends' stores into a scale-plane K (and a transposed V) leave the logical
     bytes their stores into row-major caches leave, and nothing past a block-head's values
     and plane is written."""
-    torch.manual_seed(4)
-    tokens, heads, dim, bs, blocks = 40, 2, 64, 16, 8
+    blocks, bs, heads, dim = 8, 16, 2, 64
+    k, v, slots, want_k, want_v = reference_store(4, bs, blocks)
+    width = want_k.shape[-1]
+    for backend, dev in ((ta, "cpu"), (tb, triton_device)):
+        kp = scale_plane(torch.zeros_like(want_k, device=dev), dim)
+        vt = transposed(torch.zeros_like(want_v, device=dev))
+        backend.store_kv(k.to(dev), v.to(dev), kp, vt, slots.to(dev))
+        got_k = ta._blocks(kp, torch.arange(blocks, device=dev)).cpu()
+        assert_same_bytes(got_k, want_k, dev, backend.__name__)
+        # the 8 bytes a position past the plane stay as they were: zero
+        flat = kp.as_strided((blocks, heads, bs * width), (heads * bs * width, bs * width, 1))
+        assert not flat[..., bs * (dim + 4):].cpu().any(), backend.__name__
+
+
+def reference_store(seed: int, bs: int, blocks: int, tokens: int = 40, heads: int = 2,
+                    dim: int = 64):
+    """K/V of `tokens` tokens (K's magnitudes spread over 4 decades), their slots (every 7th
+    skipped) and the row-major caches the torch reference's store leaves."""
+    torch.manual_seed(seed)
     width = ta.fp8_width(dim, True)
     k = torch.randn(tokens, heads, dim) * torch.logspace(-2, 2, tokens)[:, None, None]
     v = torch.randn(tokens, heads, dim)
@@ -252,20 +269,16 @@ def test_store_kv_into_a_k_scale_plane(triton_device):
     want_k = torch.zeros(blocks, bs, heads, width, dtype=torch.uint8)
     want_v = torch.zeros_like(want_k)
     ta.store_kv(k, v, want_k, want_v, slots)
-    everything = torch.arange(blocks)
-    for backend, dev in ((ta, "cpu"), (tb, triton_device)):
-        kp = scale_plane(torch.zeros_like(want_k, device=dev), dim)
-        vt = transposed(torch.zeros_like(want_v, device=dev))
-        backend.store_kv(k.to(dev), v.to(dev), kp, vt, slots.to(dev))
-        got_k = ta._blocks(kp, everything.to(dev)).cpu()
-        if dev == "cpu":
-            assert torch.equal(got_k, want_k), backend.__name__
-        else:  # a GPU's division may round the last bit of a few quotients differently
-            a, b = (ta.dequantize_fp8(x, dim, torch.float32) for x in (got_k, want_k))
-            torch.testing.assert_close(a, b, rtol=0.13, atol=1e-6)
-        # the 8 bytes a position past the plane stay as they were: zero
-        flat = kp.as_strided((blocks, heads, bs * width), (heads * bs * width, bs * width, 1))
-        assert not flat[..., bs * (dim + 4):].cpu().any(), backend.__name__
+    return k, v, slots, want_k, want_v
+
+
+def assert_same_bytes(got: torch.Tensor, want: torch.Tensor, dev: str, what: str) -> None:
+    if dev == "cpu":
+        assert torch.equal(got, want), what
+    else:  # a GPU's division may round the last bit of a few quotients differently
+        dim = want.shape[-1] - 16
+        a, b = (ta.dequantize_fp8(x, dim, torch.float32) for x in (got, want))
+        torch.testing.assert_close(a, b, rtol=0.13, atol=1e-6)
 
 
 def in_runs(v8: torch.Tensor, run: int) -> torch.Tensor:
@@ -302,26 +315,13 @@ def test_attention_over_v_in_runs(triton_device, case, run):
 def test_store_kv_into_v_in_runs(triton_device, run):
     """Both backends' stores into V in runs leave the logical bytes their stores into a
     row-major cache leave."""
-    torch.manual_seed(5)
-    tokens, heads, dim, bs, blocks = 40, 2, 64, 32, 4
-    width = ta.fp8_width(dim, True)
-    k, v = torch.randn(tokens, heads, dim), torch.randn(tokens, heads, dim)
-    slots = torch.randperm(blocks * bs)[:tokens]
-    slots[::7] = -1
-    want_k = torch.zeros(blocks, bs, heads, width, dtype=torch.uint8)
-    want_v = torch.zeros_like(want_k)
-    ta.store_kv(k, v, want_k, want_v, slots)
-    everything = torch.arange(blocks)
+    k, v, slots, want_k, want_v = reference_store(5, 32, 4)
     for backend, dev in ((ta, "cpu"), (tb, triton_device)):
         vr = in_runs(torch.zeros_like(want_v, device=dev), run)
         backend.store_kv(k.to(dev), v.to(dev), torch.zeros_like(want_k, device=dev), vr,
                          slots.to(dev))
-        got = ta._blocks(vr, everything.to(dev)).cpu()
-        if dev == "cpu":
-            assert torch.equal(got, want_v), backend.__name__
-        else:  # a GPU's division may round the last bit of a few quotients differently
-            a, b = (ta.dequantize_fp8(x, dim, torch.float32) for x in (got, want_v))
-            torch.testing.assert_close(a, b, rtol=0.13, atol=1e-6)
+        got = ta._blocks(vr, torch.arange(4, device=dev)).cpu()
+        assert_same_bytes(got, want_v, dev, backend.__name__)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
