@@ -78,7 +78,8 @@
 #                                     # defaults
 #                                     # / --k-scale-plane / --v-runs / both, alternating,
 #                                     # ROUNDS (2), after a warm-up run (SKIP_TESTS=1,
-#                                     # SKIP_KERNELS=1 skip parts)
+#                                     # SKIP_KERNELS=1 skip parts; PROFILE=1 adds a decode
+#                                     # step's kernels under each layout)
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -285,6 +286,13 @@ case "$stage" in
       for table in --v-runs --k-plane; do
         timeout 150 python3 -m benchmarks.attention $table 2>&1 \
           | tee -a "$OUT/layouts_attention.log" | tail -16
+      done
+    fi
+    if [ -n "${PROFILE:-}" ]; then  # a 256-row fp8 decode step's kernels, each layout
+      for flags in "" --k-scale-plane --v-runs "--k-scale-plane --v-runs"; do
+        # shellcheck disable=SC2086
+        timeout 200 python3 -m benchmarks.profile_step --kv-cache-dtype fp8 $flags 2>&1 \
+          | tee -a "$OUT/layouts_profile.log" | tail -30
       done
     fi
     offline layouts.log "warm-up, not counted" fp8
