@@ -74,8 +74,16 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true",
                     help="the L2 cache overwritten before each run (triton.testing.do_bench), "
                     "not a replayed graph")
+    ap.add_argument("--run-stores", action="store_true",
+                    help="a transposed V's complete runs of 16 slots written 16 bytes a row by "
+                    "their first token's program (triton_kv_store.RUN_STORES)")
     args = ap.parse_args()
     import triton
+
+    if args.run_stores:
+        from nanovllm.kernels import triton_kv_store
+
+        triton_kv_store.RUN_STORES = True
 
     from benchmarks.speed_of_light import _copy_seconds
     from nanovllm.kernels.triton_kv_store import qk_norm_rope_store, store_kv

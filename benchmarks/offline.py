@@ -179,6 +179,10 @@ def set_attention_switches(args: argparse.Namespace) -> None:
         from nanovllm.worker import kv_cache
 
         kv_cache.FP8_K_SCALE_PLANE = True
+    if args.run_stores:
+        from nanovllm.kernels import triton_kv_store
+
+        triton_kv_store.RUN_STORES = True
     if args.no_pdl:
         from nanovllm.kernels import triton_pdl
 
@@ -338,6 +342,9 @@ def main() -> None:
     ap.add_argument("--k-scale-plane", action="store_true",
                     help="an fp8 K cache with each block-head's scales in a plane after its "
                     "values (kv_cache.FP8_K_SCALE_PLANE)")
+    ap.add_argument("--run-stores", action="store_true",
+                    help="a transposed fp8 V's complete runs of 16 slots (a prefill chunk's) "
+                    "written 16 bytes a row (triton_kv_store.RUN_STORES)")
     ap.add_argument("--no-pdl", action="store_true",
                     help="the step's Triton kernels as plain launches, not programmatic "
                     "dependent ones (kernels/triton_pdl.py PDL off; before 2026-12-02)")

@@ -72,14 +72,16 @@
 #                                     # Triton cache, the seed workload, DTYPE (fp8), the
 #                                     # defaults against --gc-freeze, alternating, ROUNDS (3)
 #   bash scripts/gpu_plan.sh layouts  # an fp8 K's scales in a plane (kv_cache.
-#                                     # FP8_K_SCALE_PLANE) and V in runs of 16 (FP8_V_RUN):
-#                                     # the GPU tests, the store (kv_store.py, warm and cold)
-#                                     # and the decode over each, then the seed workload, fp8,
-#                                     # defaults
-#                                     # / --k-scale-plane / --v-runs / both, alternating,
-#                                     # ROUNDS (2), after a warm-up run (SKIP_TESTS=1,
-#                                     # SKIP_KERNELS=1 skip parts; PROFILE=1 adds a decode
-#                                     # step's kernels under each layout)
+#                                     # FP8_K_SCALE_PLANE), V in runs of 16 (FP8_V_RUN) and
+#                                     # a prefill's V stored by runs (triton_kv_store.
+#                                     # RUN_STORES): the GPU tests, the store (kv_store.py,
+#                                     # warm, cold, prefill by token and by runs) and the
+#                                     # decode over each layout, then the seed workload, fp8,
+#                                     # defaults / --k-scale-plane / --v-runs / both /
+#                                     # --run-stores / all three, alternating, ROUNDS (2),
+#                                     # after a warm-up run (SKIP_TESTS=1, SKIP_KERNELS=1 skip
+#                                     # parts; PROFILE=1 adds a decode step's kernels under
+#                                     # each layout)
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -283,6 +285,11 @@ case "$stage" in
         timeout 120 python3 -m benchmarks.kv_store --tokens 256 2048 $cold 2>&1 \
           | tee -a "$OUT/layouts_store.log" | tail -12
       done
+      for runs in "" --run-stores; do  # a prefill step's store, token by token / by runs
+        # shellcheck disable=SC2086
+        timeout 120 python3 -m benchmarks.kv_store --pattern prefill --tokens 2048 16384 \
+          $runs 2>&1 | tee -a "$OUT/layouts_store.log" | tail -12
+      done
       for table in --v-runs --k-plane; do
         timeout 150 python3 -m benchmarks.attention $table 2>&1 \
           | tee -a "$OUT/layouts_attention.log" | tail -16
@@ -301,6 +308,8 @@ case "$stage" in
       offline layouts.log "round $round k scale plane" fp8 --k-scale-plane
       offline layouts.log "round $round v runs" fp8 --v-runs
       offline layouts.log "round $round both" fp8 --k-scale-plane --v-runs
+      offline layouts.log "round $round run stores" fp8 --run-stores
+      offline layouts.log "round $round all three" fp8 --k-scale-plane --v-runs --run-stores
     done ;;
   klayout)
     flip() { sed -i "s/^FP8_K_HEAD_MAJOR = .*/FP8_K_HEAD_MAJOR = $1/" nanovllm/worker/kv_cache.py; }

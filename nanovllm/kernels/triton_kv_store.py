@@ -17,6 +17,12 @@ from nanovllm.kernels.triton_ops import qk_norm_rope, qk_norm_rope_program, rope
 from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
 FP8_MAX = tl.constexpr(448.0)  # the largest float8 e4m3 value
+# a transposed fp8 V written 16 positions at a time where a launch stores 16 tokens at
+# consecutive slots from a multiple of 16 (a prefill chunk's): the first token's program
+# writes each row's 16 bytes in one store, the others none, instead of every token writing
+# its 132 bytes one at a time (`_complete_run`). Off until measured
+RUN_STORES = False
+RUN = tl.constexpr(16)
 
 
 @triton.jit
@@ -29,7 +35,7 @@ def _store_kv_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
     V_T: tl.constexpr = False, V_RUN: tl.constexpr = 0, K_PLANE: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    RUN_STORE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     _store_token(
@@ -38,7 +44,7 @@ def _store_kv_kernel(
         stride_kcb, stride_kcs, stride_kch, stride_kcd,
         stride_vcb, stride_vcs, stride_vch, stride_vcd,
         NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, V_RUN,
-        K_PLANE,
+        K_PLANE, RUN_STORE,
     )
 
 
@@ -51,7 +57,7 @@ def _store_token(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr, V_RUN: tl.constexpr, K_PLANE: tl.constexpr,
+    V_T: tl.constexpr, V_RUN: tl.constexpr, K_PLANE: tl.constexpr, RUN_STORE: tl.constexpr,
 ):
     # token `tok`'s K/V [heads, head_dim] into its slot (-1: none). V_RUN: V in runs of that
     # many positions, stride_vcs the runs' stride (torch_attention.v_run, _v_strides)
@@ -82,13 +88,72 @@ def _store_token(
             k_scale_at = kc + HEAD_DIM * stride_kcd
         _store_fp8(kc, k_scale_at, k, mask, head_mask, offs_h, offs_d, stride_kch, stride_kcd,
                    HEAD_DIM, SCALED, False)
-        _store_fp8(vc, vc + HEAD_DIM * stride_vcd, v, mask, head_mask, offs_h, offs_d,
-                   stride_vch, stride_vcd, HEAD_DIM, SCALED, V_T)
+        if V_T and RUN_STORE:  # a complete run's first token writes its V, the others none
+            lead, complete = _complete_run(slot_ptr, tok, slot, tl.num_programs(0))
+            if complete & (tok == lead):
+                first = tl.multiple_of(off - off % RUN, RUN)  # said: the stores vectorize
+                if V_RUN:
+                    run_at = v_cache_ptr + blk * stride_vcb + (first // V_RUN) * stride_vcs
+                else:
+                    run_at = v_cache_ptr + blk * stride_vcb + first * stride_vcs
+                _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_vch,
+                             stride_vcd, NUM_HEADS, HEAD_DIM, BLOCK_D, SCALED)
+            heads = tl.where((slot >= 0) & (complete == 0), NUM_HEADS, 0)
+            v_mask = (offs_h[:, None] < heads) & (offs_d[None, :] < HEAD_DIM)
+            _store_fp8(vc, vc + HEAD_DIM * stride_vcd, v, v_mask, offs_h < heads, offs_h,
+                       offs_d, stride_vch, stride_vcd, HEAD_DIM, SCALED, V_T)
+        else:
+            _store_fp8(vc, vc + HEAD_DIM * stride_vcd, v, mask, head_mask, offs_h, offs_d,
+                       stride_vch, stride_vcd, HEAD_DIM, SCALED, V_T)
     else:
         tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
                  k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd,
                  v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _complete_run(slot_ptr, tok, slot, num_tokens):
+    # -> (the token that leads token `tok`'s run, whether that run is complete: RUN tokens
+    # of this launch, from the lead on, at consecutive slots from a multiple of RUN, so all
+    # in one block and one sequence). Every token of a run computes the same answer
+    safe = tl.maximum(slot, 0)
+    lead = tok - safe % RUN
+    offs = tl.arange(0, RUN)
+    idx = lead + offs
+    inside = (idx >= 0) & (idx < num_tokens)
+    slots = tl.load(slot_ptr + tl.where(inside, idx, 0), mask=inside, other=-1)
+    same = (slots == (safe - safe % RUN) + offs) & inside
+    complete = (tl.sum(same.to(tl.int32), 0) == RUN) & (slot >= 0)
+    return lead, complete
+
+
+@triton.jit
+def _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h, stride_d,
+                 NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 SCALED: tl.constexpr):
+    # the V of RUN tokens from `lead` into a transposed cache at `run_at` (their first
+    # position): per head, each row's RUN bytes in one store, the bytes _store_fp8 writes
+    offs_t = tl.arange(0, RUN)
+    offs_d = tl.arange(0, BLOCK_D)
+    dim_ok = offs_d[None, :] < HEAD_DIM
+    rows = (lead + offs_t).to(tl.int64)
+    for h in tl.static_range(NUM_HEADS):
+        x = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :] * stride_vd,
+                    mask=dim_ok, other=0.0).to(tl.float32)  # [RUN, D]
+        x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -3.4028234663852886e38),
+                       3.4028234663852886e38)
+        head_at = run_at + h * stride_h
+        if SCALED:
+            scale = tl.maximum(tl.max(tl.abs(tl.where(dim_ok, x, 0.0)), 1), 1e-12) / FP8_MAX
+            x = x / scale[:, None]
+            bits = scale.to(tl.int32, bitcast=True)
+            for j in tl.static_range(4):
+                tl.store(head_at + (HEAD_DIM + j) * stride_d + offs_t,
+                         ((bits >> (8 * j)) & 0xFF).to(tl.uint8))
+        x = _round_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
+        tl.store(head_at + offs_d[None, :] * stride_d + offs_t[:, None],
+                 x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=dim_ok)
 
 
 @triton.jit
@@ -167,7 +232,7 @@ def _rope_store_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
     V_T: tl.constexpr = False, V_RUN: tl.constexpr = 0, K_PLANE: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    RUN_STORE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     # program (token, 0) rotates the token's q heads; (token, 1) its k heads, then stores the
@@ -187,7 +252,7 @@ def _rope_store_kernel(
             stride_kcb, stride_kcs, stride_kch, stride_kcd,
             stride_vcb, stride_vcs, stride_vch, stride_vcd,
             NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, V_RUN,
-            K_PLANE,
+            K_PLANE, RUN_STORE,
         )
 
 
@@ -238,10 +303,11 @@ def store_kv(
 
 def _store_consts(k: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict:
     _, num_heads, head_dim = k.shape
+    flags = _fp8_flags(k_cache, v_cache, head_dim)
     return dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                 BLOCK_H=triton.next_power_of_2(num_heads),
                 BLOCK_D=triton.next_power_of_2(head_dim),
-                **_fp8_flags(k_cache, v_cache, head_dim))
+                RUN_STORE=RUN_STORES and flags["FP8"] and flags["V_T"], **flags)
 
 
 def v_strides(v_cache: torch.Tensor) -> tuple[int, int, int, int]:

@@ -13,7 +13,7 @@ from nanovllm import LLM, ConfigError, SamplingParams
 from nanovllm.kernels import torch_attention as ta
 from nanovllm.kernels.attention_metadata import AttentionMetadata
 from nanovllm.worker import kv_cache
-from tests.support import engine_logprobs, make_prompts
+from tests.support import engine_logprobs, make_prompts, triton_module
 
 D = 32
 
@@ -133,13 +133,14 @@ def test_fp8_settings_say_what_to_change(tiny_llama):
         LLM(str(tiny_llama), device="cpu", kv_cache_scales="head")
 
 
-@pytest.mark.parametrize("k_head_major, v_run, k_plane",
-                         [(False, None, False), (True, None, False), (True, 16, False),
-                          (True, None, True), (True, 16, True)],
+@pytest.mark.parametrize("k_head_major, v_run, k_plane, run_stores",
+                         [(False, None, False, False), (True, None, False, False),
+                          (True, 16, False, False), (True, None, True, False),
+                          (True, 16, True, True), (True, None, False, True)],
                          ids=["k-by-position", "k-by-head", "v-in-runs", "k-scale-plane",
-                              "k-scale-plane-v-in-runs"])
+                              "both-layouts-run-stores", "run-stores"])
 def test_triton_engine_on_fp8_equals_the_torch_one(tiny_llama, triton_device, k_head_major,
-                                                   v_run, k_plane, monkeypatch):
+                                                   v_run, k_plane, run_stores, monkeypatch):
     """The whole engine with the Triton kernels (on a CPU in Triton's interpreter) on an fp8
     cache: the bytes the reference stores, the attention it computes, so the same tokens;
     with K's blocks laid out each way (kv_cache.FP8_K_HEAD_MAJOR, FP8_K_SCALE_PLANE) and V in
@@ -147,12 +148,15 @@ def test_triton_engine_on_fp8_equals_the_torch_one(tiny_llama, triton_device, k_
     monkeypatch.setattr(kv_cache, "FP8_K_HEAD_MAJOR", k_head_major)
     monkeypatch.setattr(kv_cache, "FP8_V_RUN", v_run)
     monkeypatch.setattr(kv_cache, "FP8_K_SCALE_PLANE", k_plane)
+    monkeypatch.setattr(triton_module("nanovllm.kernels.triton_kv_store"), "RUN_STORES",
+                        run_stores)
     prompts = make_prompts(seed=4, count=4, shared_prefix=8)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(tiny_llama), device=triton_device, dtype="float32", enforce_eager=True,
-                  kv_cache_dtype="fp8", num_kv_blocks=64, block_size=32 if v_run else 16,
+                  kv_cache_dtype="fp8", num_kv_blocks=64,
+                  block_size=32 if v_run or run_stores else 16,
                   attention_backend=backend)
         k = llm.engine.runner.model.attention_layers()[0].k_cache
         # positions adjacent: head-major; a position's values only: a scale plane

@@ -81,7 +81,8 @@ def _signature(fn, args, kwargs):
     return sig, consts, attrs, options
 
 
-def record(kv_cache_dtype: str, scales: str, v_run: int = 0, k_plane: bool = False) -> list:
+def record(kv_cache_dtype: str, scales: str, v_run: int = 0, k_plane: bool = False,
+           run_stores: bool = False) -> list:
     import importlib
 
     from nanovllm.kernels.attention_metadata import AttentionMetadata
@@ -92,6 +93,7 @@ def record(kv_cache_dtype: str, scales: str, v_run: int = 0, k_plane: bool = Fal
     ts = importlib.reload(importlib.import_module("nanovllm.kernels.triton_kv_store"))
     tb = importlib.reload(importlib.import_module("nanovllm.kernels.triton_attention"))
     fd = importlib.reload(importlib.import_module("nanovllm.kernels.triton_fp8_decode"))
+    ts.RUN_STORES = run_stores
     fmt = KVFormat.of(kv_cache_dtype, scales, torch.bfloat16, D)
     calls = []
     for module, name in ((ts, "_store_kv_kernel"), (ts, "_rope_store_kernel"),
@@ -263,6 +265,9 @@ def main() -> None:
     if "--v-runs" in sys.argv[1:]:  # and over V in runs of 8 and 16 positions
         launches += [(f"fp8-v-runs-{run}", call) for run in (8, 16)
                      for call in record("fp8", "token", v_run=run)]
+    if "--run-stores" in sys.argv[1:]:  # and the stores writing complete runs at once
+        launches += [("fp8-run-stores", call) for call in record("fp8", "token", run_stores=True)
+                     if call[0].__name__ in ("_store_kv_kernel", "_rope_store_kernel")]
     if "--k-plane" in sys.argv[1:]:  # and over a K cache with its scales in a plane
         launches += [("fp8-k-plane", call) for call in record("fp8", "token", k_plane=True)]
     launches += [("sampler", call) for call in record_sampler()]
@@ -289,6 +294,7 @@ def main() -> None:
             ops = r"(?:ld\.global|ld\.shared|cp\.async\.c[ag])[.\w]*"
             out["loads"] = Counter(re.findall(ops, ptx))
             out["stores"] = len(re.findall(r"st\.shared[.\w]*", ptx))
+            out["global_stores"] = Counter(re.findall(r"st\.global[.\w]*", ptx))
             # the instructions the sampler's noise costs (Philox rounds, logarithms)
             out["ops"] = {op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))
                           for op in ("mul.hi.u32", "lg2.approx.f32", "cvt.rn.f16x2.e4m3x2",

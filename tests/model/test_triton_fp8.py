@@ -334,3 +334,33 @@ def test_attention_over_a_k_scale_plane_and_v_in_runs(triton_device, case):
     kd, vd = (ta.dequantize_fp8(x, d, torch.float32) for x in (k8, v8))
     check_close(attend(scale_plane(k8, d), in_runs(v8, 16)),
                 reference(c.q, kd, vd, c.meta, c.scale), torch.float32, case[0])
+
+
+@pytest.mark.parametrize("run", [None, 16], ids=["whole-block", "v-in-runs"])
+def test_run_stores_write_the_reference_bytes(triton_device, run, monkeypatch):
+    """With triton_kv_store.RUN_STORES a prefill chunk's complete runs of 16 slots are
+    written by their first token's program, 16 bytes a row: the same bytes as token by
+    token, beside partial runs, skipped tokens, a chunk starting mid-run and decode
+    tokens."""
+    ts = triton_module("nanovllm.kernels.triton_kv_store")
+    monkeypatch.setattr(ts, "RUN_STORES", True)
+    heads, dim, bs, blocks = 2, 64, 32, 8
+    # a prompt of 37 from slot 0, one of 40 from slot 5 of block 3, two decode tokens, and
+    # a padding token (slot -1) between them
+    slots = ([*range(37)] + [-1] + [*range(3 * bs + 5, 3 * bs + 45)]
+             + [6 * bs + 9, 7 * bs + 31])
+    slots = torch.tensor(slots)
+    torch.manual_seed(6)
+    k = torch.randn(len(slots), heads, dim) * torch.logspace(-2, 2, len(slots))[:, None, None]
+    v = torch.randn(len(slots), heads, dim) * torch.logspace(2, -2, len(slots))[:, None, None]
+    width = ta.fp8_width(dim, True)
+    want_k = torch.zeros(blocks, bs, heads, width, dtype=torch.uint8)
+    want_v = torch.zeros_like(want_k)
+    ta.store_kv(k, v, want_k, want_v, slots)
+    dev = triton_device
+    vt = in_runs(torch.zeros_like(want_v, device=dev), run or bs)
+    got_k = torch.zeros_like(want_k, device=dev)
+    ts.store_kv(k.to(dev), v.to(dev), got_k, vt, slots.to(dev))
+    got_v = ta._blocks(vt, torch.arange(blocks, device=dev)).cpu()
+    assert_same_bytes(got_v, want_v, dev, "V")
+    assert_same_bytes(got_k.cpu(), want_k, dev, "K")
