@@ -275,8 +275,9 @@ case "$stage" in
     done ;;
   layouts)
     if [ -z "${SKIP_TESTS:-}" ]; then
-      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_triton_fp8.py \
-        tests/model/test_triton_fp8_decode.py tests/engine/test_fp8_kv.py 2>&1 | tail -3 \
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_triton_fp8.py \
+        tests/model/test_triton_fp8_decode.py tests/engine/test_fp8_kv.py \
+        -k "plane or runs or run_stores or equals_the_torch or transposed" 2>&1 | tail -3 \
         | tee "$OUT/layouts_tests.log"
     fi
     if [ -z "${SKIP_KERNELS:-}" ]; then
