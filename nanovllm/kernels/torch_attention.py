@@ -5,7 +5,9 @@ KVFormat): its last dimension is head_dim (one static scale of 1) or `fp8_width`
 token-head's float32 scale after its values, padded to 16 bytes). K/V are quantized as they
 are stored and dequantized as a row's context is read, to the query's dtype. An fp8 V cache
 may be stored transposed within each block (`v_transposed`; worker/kv_cache.py): the same
-logical view, its rows gathered and written through it here.
+logical view, its rows gathered and written through it here. Two layouts have views whose
+strides cannot say where every byte is, and are read and written through views of their
+own: V transposed in runs (`v_run`) and K with its scales in a plane (`k_scale_plane`).
 """
 
 import torch
