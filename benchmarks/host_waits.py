@@ -104,3 +104,27 @@ def gc_pauses():
         yield found
     finally:
         gc.callbacks.remove(watch)
+
+
+class HostUsage:
+    """What the host spent over a block of code, from getrusage: user and system CPU
+    seconds, minor and major page faults, voluntary and involuntary context switches. A
+    first run's extra system time or faults point at work the process did not do before
+    (pages touched or made writable again), not at the engine's own code."""
+
+    FIELDS = (("user_s", "ru_utime"), ("system_s", "ru_stime"), ("minor_faults", "ru_minflt"),
+              ("major_faults", "ru_majflt"), ("voluntary_switches", "ru_nvcsw"),
+              ("involuntary_switches", "ru_nivcsw"))
+
+    def __enter__(self) -> dict:
+        import resource
+
+        self._resource = resource
+        self._start = resource.getrusage(resource.RUSAGE_SELF)
+        self.found: dict = {}
+        return self.found
+
+    def __exit__(self, *exc) -> None:
+        end = self._resource.getrusage(self._resource.RUSAGE_SELF)
+        for name, field in self.FIELDS:
+            self.found[name] = getattr(end, field) - getattr(self._start, field)

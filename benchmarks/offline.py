@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.host_waits import (
+    HostUsage,
     allocator_counts,
     compiles_summary,
     gc_pauses,
@@ -88,7 +89,8 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     alloc0 = allocator_counts()
     start = time.perf_counter()
     tracked = len(gc.get_objects())
-    with sync_watch(args.sync_debug) as syncs, triton_compiles() as compiles, gc_pauses() as gcs:
+    with (sync_watch(args.sync_debug) as syncs, triton_compiles() as compiles,
+          gc_pauses() as gcs, HostUsage() as usage):
         outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     alloc = {k: v - alloc0[k] for k, v in allocator_counts().items()}
@@ -113,6 +115,7 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         "syncs": dict(syncs.most_common(12)),  # --sync-debug
         "triton_compiles": compiles_summary(compiles),  # variants the warm-up left
         "gc": {**gcs, "tracked_at_start": tracked},  # Python's collections in the run
+        "host_usage": usage,  # CPU seconds, page faults, context switches (getrusage)
     }
     # more timed runs in this process, optionally flipping overlap each time (an A/B on
     # one warm machine; the first run above stays the headline figure)
@@ -122,7 +125,7 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
             engine.overlap = not engine.overlap
         assert engine.block_manager.reset_prefix_cache()  # the same prompts, no cache hits
         t_rep, timing_rep = time.perf_counter(), dict(engine.timing)
-        with triton_compiles() as compiles, gc_pauses() as gcs:
+        with triton_compiles() as compiles, gc_pauses() as gcs, HostUsage() as usage:
             rep = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t_rep
         repeats.append({
@@ -131,6 +134,7 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
             "step_timing_s": {k: v - timing_rep[k] for k, v in engine.timing.items()},
             "triton_compiles": compiles_summary(compiles),
             "gc": gcs,
+            "host_usage": usage,
         })
     result["repeats"] = repeats
     return result

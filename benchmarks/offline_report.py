@@ -99,6 +99,13 @@ def print_table(
                     f"nano-vLLM run {i} built {built['count']} Triton kernel variants in "
                     f"{built['seconds']:.2f} s: "
                     + ", ".join(f"{k} x{n}" for k, n in built["kernels"].items()))
+            usage = run.get("host_usage") or {}
+            if usage:
+                notes.append(
+                    f"nano-vLLM run {i} host: user {usage['user_s']:.2f} s, system "
+                    f"{usage['system_s']:.2f} s, {usage['minor_faults']:,} minor / "
+                    f"{usage['major_faults']:,} major page faults, "
+                    f"{usage['involuntary_switches']:,} involuntary context switches")
             pauses = run.get("gc") or {}
             if pauses.get("count"):
                 notes.append(

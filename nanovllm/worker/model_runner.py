@@ -35,9 +35,10 @@ from nanovllm.worker.warmup import profile_activation_bytes, warm_up_kernels
 
 log = logging.getLogger("nanovllm")
 
-# after a GPU start-up (Triton's compiler leaves ~1e6 tracked objects): collect once and move
-# what is left out of the collector's reach, so each full collection while serving scans
-# only the objects made since (gc.freeze)
+# after a GPU start-up: collect once and move what is left (~220,000 tracked objects for
+# Qwen3-0.6B) out of the collector's reach, so each full collection while serving scans only
+# the objects made since (gc.freeze). Off: one sample each way on the H200 (1.022x, a fresh
+# Triton cache) is not a measurement (BENCHMARKS.md, tenth session; gpu_plan.sh fresh)
 FREEZE_GC_AFTER_SETUP = False
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
