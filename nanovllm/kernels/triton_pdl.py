@@ -12,7 +12,8 @@ cuBLAS matmul) simply starts when it ends, as before.
 On by default: on the H200 the seed workload gained 1.0095x with an fp8 cache (three
 alternating rounds, each the same way) and 1.000x with bf16 (BENCHMARKS.md, tenth
 session; `scripts/gpu_plan.sh pdl`). `benchmarks/offline.py --no-pdl` turns it off. CPU
-tensors, the interpreter and GPUs before sm_90 never take it.
+tensors, the interpreter, GPUs before sm_90 and a Triton without dependent launches
+(`triton_has_pdl`) never take it.
 """
 
 import functools
@@ -35,9 +36,25 @@ def pdl_enter(PDL: tl.constexpr):
 
 def pdl_launch(t: torch.Tensor) -> dict:
     """The launch arguments of a kernel over `t`'s device: `PDL` for the kernel's
-    pdl_enter, and Triton's `launch_pdl` where PDL is on and the device has it."""
-    on = PDL and t.is_cuda and _has_pdl(t.device)
+    pdl_enter, and Triton's `launch_pdl` where PDL is on and both the device and this
+    Triton have it."""
+    on = PDL and t.is_cuda and triton_has_pdl() and _has_pdl(t.device)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@functools.lru_cache(maxsize=1)
+def triton_has_pdl() -> bool:
+    """Whether this Triton launches dependent kernels: its CUDA options have `launch_pdl`
+    and its language `gdc_wait` (Triton 3.4 has both; torch 2.5's Triton 3.1 neither, and
+    there the kernels launch as before)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    return "launch_pdl" in fields and hasattr(cuda, "gdc_wait") and hasattr(
+        cuda, "gdc_launch_dependents")
 
 
 @functools.lru_cache(maxsize=8)

@@ -129,3 +129,21 @@ def test_pdl_is_never_taken_off_a_gpu(monkeypatch):
 
     monkeypatch.setattr(triton_pdl, "PDL", True)
     assert triton_pdl.pdl_launch(torch.zeros(1)) == {"PDL": False}
+
+
+def test_pdl_needs_a_triton_that_launches_dependent_kernels(monkeypatch):
+    """A Triton without `launch_pdl` and `gdc_wait` (torch 2.5's 3.1) launches the kernels
+    as before instead of failing at the first launch on an sm_90 GPU."""
+    import triton.language as tl
+
+    from nanovllm.kernels import triton_pdl
+
+    triton_pdl.triton_has_pdl.cache_clear()
+    assert triton_pdl.triton_has_pdl() == hasattr(tl.extra.cuda, "gdc_wait")
+    monkeypatch.delattr(tl.extra.cuda, "gdc_wait")
+    triton_pdl.triton_has_pdl.cache_clear()
+    try:
+        assert not triton_pdl.triton_has_pdl()
+    finally:
+        monkeypatch.undo()
+        triton_pdl.triton_has_pdl.cache_clear()
