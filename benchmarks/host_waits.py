@@ -128,3 +128,14 @@ class HostUsage:
         end = self._resource.getrusage(self._resource.RUSAGE_SELF)
         for name, field in self.FIELDS:
             self.found[name] = getattr(end, field) - getattr(self._start, field)
+
+
+@contextlib.contextmanager
+def run_diagnostics():
+    """Yield a dict that, when the block ends, holds what a timed run left behind: the
+    Triton variants it built (`triton_compiles`), its collections (`gc_pauses`) and its
+    host usage (`HostUsage`), under the keys offline_report.py prints."""
+    found: dict = {}
+    with triton_compiles() as compiles, gc_pauses() as gcs, HostUsage() as usage:
+        yield found
+    found.update(triton_compiles=compiles_summary(compiles), gc=gcs, host_usage=usage)

@@ -33,14 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.host_waits import (
-    HostUsage,
-    allocator_counts,
-    compiles_summary,
-    gc_pauses,
-    sync_watch,
-    triton_compiles,
-)
+from benchmarks.host_waits import allocator_counts, run_diagnostics, sync_watch
 from benchmarks.offline_report import print_table
 from benchmarks.random_model import QWEN3_RANDOM_DIR, build_random_model
 from benchmarks.speed_of_light import ModelShape, measure_device, sol_times, workload_cost
@@ -75,7 +68,7 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     from nanovllm import LLM, SamplingParams
 
     opts = engine_options(args)
-    set_attention_switches(args)
+    set_engine_switches(args)
     t0 = time.perf_counter()
     llm = LLM(args.model, **opts)
     load_s = time.perf_counter() - t0
@@ -87,10 +80,9 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     timing0 = dict(engine.timing)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     alloc0 = allocator_counts()
-    start = time.perf_counter()
     tracked = len(gc.get_objects())
-    with (sync_watch(args.sync_debug) as syncs, triton_compiles() as compiles,
-          gc_pauses() as gcs, HostUsage() as usage):
+    start = time.perf_counter()
+    with sync_watch(args.sync_debug) as syncs, run_diagnostics() as diagnostics:
         outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     alloc = {k: v - alloc0[k] for k, v in allocator_counts().items()}
@@ -113,10 +105,10 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         "step_timing_s": {k: v - timing0.get(k, 0.0) for k, v in engine.timing.items()},
         "allocator": alloc,  # during the timed run (allocator_counts)
         "syncs": dict(syncs.most_common(12)),  # --sync-debug
-        "triton_compiles": compiles_summary(compiles),  # variants the warm-up left
-        "gc": {**gcs, "tracked_at_start": tracked},  # Python's collections in the run
-        "host_usage": usage,  # CPU seconds, page faults, context switches (getrusage)
+        # the Triton variants the warm-up left, collections, CPU seconds and page faults
+        **diagnostics,
     }
+    result["gc"]["tracked_at_start"] = tracked
     # more timed runs in this process, optionally flipping overlap each time (an A/B on
     # one warm machine; the first run above stays the headline figure)
     repeats = []
@@ -125,16 +117,14 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
             engine.overlap = not engine.overlap
         assert engine.block_manager.reset_prefix_cache()  # the same prompts, no cache hits
         t_rep, timing_rep = time.perf_counter(), dict(engine.timing)
-        with triton_compiles() as compiles, gc_pauses() as gcs, HostUsage() as usage:
+        with run_diagnostics() as diagnostics:
             rep = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t_rep
         repeats.append({
             "overlap": engine.overlap, "elapsed_s": dt,
             "throughput": sum(len(o.token_ids) for o in rep) / dt,
             "step_timing_s": {k: v - timing_rep[k] for k, v in engine.timing.items()},
-            "triton_compiles": compiles_summary(compiles),
-            "gc": gcs,
-            "host_usage": usage,
+            **diagnostics,
         })
     result["repeats"] = repeats
     return result
@@ -155,9 +145,9 @@ def set_decode_tile(spec: str, fp8: bool) -> None:
                                          max_registers=cap[0] if cap else None)
 
 
-def set_attention_switches(args: argparse.Namespace) -> None:
-    """The A/B flags that set triton_attention's module switches and decode tiles for this
-    run's engine."""
+def set_engine_switches(args: argparse.Namespace) -> None:
+    """The A/B flags that set module switches (the attention's, its decode tiles, PDL, the
+    collector's freeze) for this run's engine."""
     from nanovllm.kernels import triton_attention as tb
 
     fp8 = args.kv_cache_dtype == "fp8"
