@@ -307,10 +307,16 @@ case "$stage" in
     for round in $(seq "${ROUNDS:-2}"); do
       offline layouts.log "round $round defaults" fp8
       offline layouts.log "round $round k scale plane" fp8 --k-scale-plane
-      offline layouts.log "round $round v runs" fp8 --v-runs
-      offline layouts.log "round $round both" fp8 --k-scale-plane --v-runs
+      if [ -z "${NO_V_RUNS:-}" ]; then
+        offline layouts.log "round $round v runs" fp8 --v-runs
+        offline layouts.log "round $round both" fp8 --k-scale-plane --v-runs
+      fi
       offline layouts.log "round $round run stores" fp8 --run-stores
-      offline layouts.log "round $round all three" fp8 --k-scale-plane --v-runs --run-stores
+      if [ -z "${NO_V_RUNS:-}" ]; then
+        offline layouts.log "round $round all three" fp8 --k-scale-plane --v-runs --run-stores
+      else
+        offline layouts.log "round $round plane and run stores" fp8 --k-scale-plane --run-stores
+      fi
     done ;;
   klayout)
     flip() { sed -i "s/^FP8_K_HEAD_MAJOR = .*/FP8_K_HEAD_MAJOR = $1/" nanovllm/worker/kv_cache.py; }
