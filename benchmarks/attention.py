@@ -97,18 +97,13 @@ class Batch:
 
         engine_k = (kv.startswith("fp8") and kv_cache.FP8_K_HEAD_MAJOR
                     and not kv.endswith(("-kpos", "-rows")))
-        if kv.endswith("-runs"):  # V in runs of 16 positions (kv_cache.FP8_V_RUN)
-            logical = self.v_cache
-            nb, bs = logical.shape[:2]
-            self.v_cache = ta.runs_view(torch.zeros_like(logical), 16)
-            ta.run_parts(self.v_cache).copy_(
-                ta._blocks(logical, torch.arange(nb, device="cuda"))
-                .reshape(nb, bs // 16, 16, HKV, -1).permute(0, 3, 1, 4, 2))
         if kv.endswith("-heads") or engine_k:
             self.k_cache = self.k_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
             if kv == "bf16-heads":  # (an fp8 V is head-major already: transposed per head)
                 self.v_cache = self.v_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
-        if kv.endswith("-plane"):  # K's scales in a plane (kv_cache.FP8_K_SCALE_PLANE)
+        # K's scales in a plane: "-plane", or "fp8-token" as the engine stores it
+        # (kv_cache.FP8_K_SCALE_PLANE); "-kpad": head-major rows padded to 144 bytes
+        if kv == "fp8-token-plane" or (kv == "fp8-token" and kv_cache.FP8_K_SCALE_PLANE):
             logical = self.k_cache
             self.k_cache = ta.scale_plane_view(torch.zeros_like(logical), D)
             values, scales = ta.scale_plane_parts(self.k_cache)
@@ -524,7 +519,6 @@ ONLY = (
     ("--fp8-registers", "only the engine's fp8 decode under register caps"),
     ("--decode-buffers", "only both caches' decode at multi-buffered tiles"),
     ("--kv-layouts", "only both caches' decode over position- and head-major blocks"),
-    ("--v-runs", "only the fp8 decode over V transposed whole blocks against runs of 16"),
     ("--k-plane", "only the fp8 decode over K's padded rows against K's scales in a plane"),
     ("--group-rows", "only both caches' decode with dots of 16 rows against the group's"),
     ("--skip-past", "only the fp8 decode reading its last tiles to the end or whole"),
@@ -559,8 +553,7 @@ def main() -> int:
     tables = {"splits": decode_split_sweep, "fp8": fp8, "ragged": ragged_table,  # ONLY's
               "prefill": prefill_sweep, "fp8_decode": fp8_decode_table,  # flags, in order
               "fp8_registers": dt.fp8_register_table, "decode_buffers": dt.decode_buffers_table,
-              "kv_layouts": dt.kv_layout_table, "v_runs": dt.v_runs_table,
-              "k_plane": dt.k_plane_table,
+              "kv_layouts": dt.kv_layout_table, "k_plane": dt.k_plane_table,
               "group_rows": dt.group_rows_table,
               "skip_past": dt.skip_past_table, "fp8_splits": dt.fp8_split_table}
     chosen = [fn for name, fn in tables.items() if getattr(args, name)]

@@ -76,17 +76,11 @@ def _layout_ab(table: Table, kvs: tuple[str, str]) -> None:
         del batches
 
 
-def v_runs_table(table: Table) -> None:
-    """The fp8 decode over V transposed whole blocks (the engine's) against V in runs of 16
-    positions, each head's runs together (kv_cache.FP8_V_RUN)."""
-    _layout_ab(table, ("fp8-token", "fp8-token-runs"))
-
-
 def k_plane_table(table: Table) -> None:
     """The fp8 decode over K head-major with each row's scale after its values, padded to
-    144 bytes (the engine's), against K's scales in a plane after each block-head's values
-    (kv_cache.FP8_K_SCALE_PLANE: 132 bytes a position read instead of 144)."""
-    _layout_ab(table, ("fp8-token", "fp8-token-plane"))
+    144 bytes, against K's scales in a plane after each block-head's values (the engine's,
+    kv_cache.FP8_K_SCALE_PLANE: 132 bytes a position read instead of 144)."""
+    _layout_ab(table, ("fp8-token-kpad", "fp8-token-plane"))
 
 
 def skip_past_table(table: Table) -> None:

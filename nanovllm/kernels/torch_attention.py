@@ -5,9 +5,9 @@ KVFormat): its last dimension is head_dim (one static scale of 1) or `fp8_width`
 token-head's float32 scale after its values, padded to 16 bytes). K/V are quantized as they
 are stored and dequantized as a row's context is read, to the query's dtype. An fp8 V cache
 may be stored transposed within each block (`v_transposed`; worker/kv_cache.py): the same
-logical view, its rows gathered and written through it here. Two layouts have views whose
-strides cannot say where every byte is, and are read and written through views of their
-own: V transposed in runs (`v_run`) and K with its scales in a plane (`k_scale_plane`).
+logical view, its rows gathered and written through it here. An fp8 K cache may keep
+each block-head's scales in a plane after its values (`k_scale_plane`), whose view's strides
+cannot say where every byte is: it is read and written through views of its own.
 """
 
 import torch
@@ -67,35 +67,6 @@ def v_transposed(cache: torch.Tensor) -> bool:
     return cache.dim() == 4 and cache.stride(1) == 1 and cache.shape[1] > 1
 
 
-def v_run(cache: torch.Tensor) -> int:
-    """Positions per transposed run of a V cache stored in runs (worker/kv_cache.py
-    FP8_V_RUN): a head's block is [block_size / run] runs of [width, run] bytes. Its
-    [blocks, block_size, Hkv, width] view has unit stride over slots and steps rows by the
-    run, less than the block, which no other layout does; the view's positions past the
-    first run are not its own (read and written here through `run_parts`). 0 for any other
-    cache."""
-    return cache.stride(3) if v_transposed(cache) and cache.stride(3) < cache.shape[1] else 0
-
-
-def runs_view(cache: torch.Tensor, run: int) -> torch.Tensor:
-    """A V cache's [blocks, block_size, Hkv, width] bytes, each block-head's contiguous,
-    seen in the runs layout (`v_run`)."""
-    nb, bs, heads, width = cache.shape
-    sb, sh = cache.stride(0), cache.stride(2)
-    assert (heads == 1 or sh == bs * width) and bs % run == 0, "head-major blocks of runs"
-    return cache.as_strided((nb, bs, heads, width), (sb, 1, sh, run), cache.storage_offset())
-
-
-def run_parts(cache: torch.Tensor) -> torch.Tensor:
-    """A runs cache's bytes as [blocks, Hkv, runs, width, run], a view that does not
-    overlap itself."""
-    nb, bs, heads, width = cache.shape
-    run = v_run(cache)
-    return cache.as_strided((nb, heads, bs // run, width, run),
-                            (cache.stride(0), cache.stride(2), width * run, run, 1),
-                            cache.storage_offset())
-
-
 def k_scale_plane(cache: torch.Tensor) -> bool:
     """Whether an fp8 K cache keeps each block-head's float32 scales in a plane after its
     values (worker/kv_cache.py FP8_K_SCALE_PLANE): a head's block is [block_size, head_dim]
@@ -138,9 +109,6 @@ def _rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     if cache.is_contiguous():
         return cache.view(-1, *cache.shape[2:]).index_select(0, slots)
     block_size = cache.shape[1]
-    if run := v_run(cache):
-        pos = slots % block_size
-        return run_parts(cache)[slots // block_size, :, pos // run, :, pos % run]
     if k_scale_plane(cache):
         values, scales = scale_plane_parts(cache)
         at = (slots // block_size, slots % block_size)
@@ -150,11 +118,6 @@ def _rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def _blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """The cache's blocks at `tables` [..., n]: [..., n, block_size, Hkv, width]."""
-    if v_run(cache):
-        parts = run_parts(cache)[tables]  # [..., n, Hkv, runs, width, run]
-        nd = parts.dim()
-        order = (*range(nd - 4), nd - 3, nd - 1, nd - 4, nd - 2)
-        return parts.permute(order).flatten(nd - 4, nd - 3)
     if k_scale_plane(cache):
         values, scales = scale_plane_parts(cache)
         return _logical(values[tables], scales[tables], cache.shape[-1])
@@ -167,9 +130,7 @@ def _write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) ->
         return
     block_size = cache.shape[1]
     pos = slots % block_size
-    if run := v_run(cache):
-        run_parts(cache)[slots // block_size, :, pos // run, :, pos % run] = rows
-    elif k_scale_plane(cache):
+    if k_scale_plane(cache):
         values, scales = scale_plane_parts(cache)
         dim = values.shape[-1]
         values[slots // block_size, pos] = rows[..., :dim]
@@ -299,7 +260,7 @@ def _decode_batched(q, k_cache, v_cache, meta, scale, rows, starts, out) -> None
     tok_idx = torch.tensor([starts[i] for i in rows], device=q.device)
     tables = meta.block_tables[row_idx, :num_blocks].long()
     k = _read(_blocks(k_cache, tables).flatten(1, 2), q.shape[-1], q.dtype)  # [R, L, Hkv, D]
-    v = _read(_blocks(v_cache, tables).flatten(1, 2), q.shape[-1], q.dtype)
+    v = _read(v_cache[tables].flatten(1, 2), q.shape[-1], q.dtype)
     lens = meta.context_lens[row_idx].to(q.device)
     mask = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # [R, L]
     qr = q[tok_idx].unsqueeze(2)  # [R, Hq, 1, D]

@@ -66,7 +66,6 @@ from nanovllm.kernels.triton_kv_store import (  # noqa: F401
     _rows_to_e4m3,
     _to_e4m3,
     store_kv,
-    v_strides,
 )
 from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
@@ -319,7 +318,7 @@ def _load_block_tile(
     stride_b, stride_s, stride_h, stride_d,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
     SCALED: tl.constexpr, COMPUTE: tl.constexpr, V_T: tl.constexpr, SKIP: tl.constexpr,
-    V_RUN: tl.constexpr = 0, K_PLANE: tl.constexpr = False,
+    K_PLANE: tl.constexpr = False,
 ):
     # -> (tile in COMPUTE, scale [N]) of an fp8 cache whose tile of positions
     # start .. start + N - 1 lies in one block: K^T [D, N] from K's rows of positions, or,
@@ -338,13 +337,7 @@ def _load_block_tile(
     # select on the tile, sends it through shared memory a second time (seen in the PTX).
     tile_at = _tile_block(cache_ptr, bt_row_ptr, start, kv_head, stride_b, stride_s, stride_h,
                           BLOCK_SIZE, offs_n.shape[0])
-    if V_RUN:  # V in runs of V_RUN positions, stride_s the runs' stride (v_strides)
-        blk = tl.load(bt_row_ptr + start // BLOCK_SIZE).to(tl.int64)
-        inner = tl.multiple_of(start % BLOCK_SIZE, offs_n.shape[0]) + offs_n
-        base = (cache_ptr + blk * stride_b + kv_head * stride_h + (inner // V_RUN) * stride_s
-                + inner % V_RUN)
-    else:
-        base = tile_at + offs_n * stride_s
+    base = tile_at + offs_n * stride_s
     if V_T:
         ptrs = base[None, :] + offs_d[:, None] * stride_d
         dim_ok = offs_d[:, None] < HEAD_DIM
@@ -393,18 +386,18 @@ def _load_tiles(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr, COMPUTE: tl.constexpr,
     Q_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr, V_T: tl.constexpr, SKIP: tl.constexpr,
-    V_RUN: tl.constexpr = 0, K_PLANE: tl.constexpr = False,
+    K_PLANE: tl.constexpr = False,
 ):
     # -> (K^T [D, N], its scales, V [N, D], its scales) of the tile of positions start + offs_n
     if V_T:  # an fp8 cache, V transposed: each tile in one block (see _load_block_tile)
         k, k_scale = _load_block_tile(k_cache_ptr, bt_row, start, offs_n, valid, end, kv_head,
                                       offs_d, stride_kb, stride_ks, stride_kh, stride_kd,
                                       BLOCK_SIZE, HEAD_DIM, MASKED, SCALED, COMPUTE, False,
-                                      SKIP, 0, K_PLANE)
+                                      SKIP, K_PLANE)
         v, v_scale = _load_block_tile(v_cache_ptr, bt_row, start, offs_n, valid, end, kv_head,
                                       offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
                                       BLOCK_SIZE, HEAD_DIM, MASKED, SCALED, COMPUTE, True,
-                                      SKIP, V_RUN)
+                                      SKIP)
     else:
         pos = start + offs_n
         k, k_scale = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
@@ -499,8 +492,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, WRITE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
     LONGEST_FIRST: tl.constexpr = False, V_T: tl.constexpr = False,
-    SKIP_PAST: tl.constexpr = False, V_RUN: tl.constexpr = 0, K_PLANE: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    SKIP_PAST: tl.constexpr = False, K_PLANE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     # num_splits is a runtime int (one compiled kernel serves every split count);
@@ -535,7 +527,7 @@ def _decode_kernel(
             offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
-            q_ptr.dtype.element_ty, FP8_ASM, V_T, SKIP_PAST, V_RUN, K_PLANE)
+            q_ptr.dtype.element_ty, FP8_ASM, V_T, SKIP_PAST, K_PLANE)
         acc, m_i, l_i = _softmax_step(q.to(k.dtype), k, v, k_scale, v_scale, acc, m_i, l_i,
                                       valid[None, :], scale_log2, True, SCALED, DOT_PRECISION)
 
@@ -640,7 +632,7 @@ def _prefill_kernel(
     SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
     V_T: tl.constexpr = False, FP8_MMA: tl.constexpr = False, FP8_P: tl.constexpr = False,
-    EXACT: tl.constexpr = False, V_RUN: tl.constexpr = 0, K_PLANE: tl.constexpr = False,
+    EXACT: tl.constexpr = False, K_PLANE: tl.constexpr = False,
 ):
     # FP8_MMA (fp8_attention, over a transposed V cache): q in e4m3, a scale per row, and
     # the tiles' bytes as they are go to the fp8 tensor cores (_softmax_step_fp8)
@@ -703,7 +695,7 @@ def _prefill_kernel(
             offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, FP8, SCALED, q.dtype,
-            q_ptr.dtype.element_ty, FP8_ASM, V_T, False, V_RUN, K_PLANE)
+            q_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
         if FP8_MMA:
             acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
                                               row_scale, False, SCALED, FP8_P, EXACT)
@@ -718,7 +710,7 @@ def _prefill_kernel(
             k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, kv_end, kv_head, offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
-            q_ptr.dtype.element_ty, FP8_ASM, V_T, False, V_RUN, K_PLANE)
+            q_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if FP8_MMA:
             acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i,
@@ -807,7 +799,7 @@ def paged_attention(
     _prefill_kernel[grid](
         q, k_cache, v_cache, out,
         meta.query_start_loc, meta.context_lens, meta.block_tables, scale_log2, num_rows,
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_strides(v_cache),
+        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         meta.block_tables.stride(0),
         GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim),
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=_block_n(cfg, k_cache, flags),
@@ -877,7 +869,7 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
     _decode_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse, qsl, ctx, bt,
         ctx if order is None else order, scale_log2, num_splits,
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_strides(v_cache), bt.stride(0),
+        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_G=max(cfg.block_m, _pow2(group)),
         BLOCK_N=_block_n(cfg, k_cache, flags), WRITE_OUT=num_splits == 1,

@@ -47,7 +47,7 @@ from nanovllm.kernels.triton_attention import (
     reduce_splits,
     split_partials,
 )
-from nanovllm.kernels.triton_kv_store import _fp8_flags, _rows_to_e4m3, _to_e4m3, v_strides
+from nanovllm.kernels.triton_kv_store import _fp8_flags, _rows_to_e4m3, _to_e4m3
 
 BLOCK_N = FP8_MMA_TILE  # positions a tile, as fp8_attention's prefill (one 128-token block)
 
@@ -64,7 +64,7 @@ def _decode_fp8_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_OUT: tl.constexpr, SCALED: tl.constexpr, FP8_P: tl.constexpr, EXACT: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr, V_RUN: tl.constexpr = 0, K_PLANE: tl.constexpr = False,
+    LONGEST_FIRST: tl.constexpr, K_PLANE: tl.constexpr = False,
 ):
     row, kv_head, split = _decode_program(order_ptr, NUM_Q_HEADS // GROUP, LONGEST_FIRST)
     q_start, is_decode, ctx, tile_lo, tile_hi = _decode_span(qsl_ptr, ctx_ptr, row, split,
@@ -112,14 +112,8 @@ def _decode_fp8_kernel(
         p = tl.exp2(s - m_new[None, :])  # [N, G]
         l_i = l_i * alpha + tl.sum(p, 0)
         # V^T [D, N]: the transposed cache's rows, the block's positions contiguous
-        if V_RUN:  # in runs, stride_vs the runs' stride (v_strides)
-            blk = tl.load(bt_row + start // BLOCK_SIZE).to(tl.int64)
-            inner = tl.multiple_of(start % BLOCK_SIZE, BLOCK_N) + offs_n
-            vb = (v_cache_ptr + blk * stride_vb + kv_head * stride_vh
-                  + (inner // V_RUN) * stride_vs + inner % V_RUN)
-        else:
-            vb = _tile_block(v_cache_ptr, bt_row, start, kv_head, stride_vb, stride_vs,
-                             stride_vh, BLOCK_SIZE, BLOCK_N) + offs_n * stride_vs
+        vb = _tile_block(v_cache_ptr, bt_row, start, kv_head, stride_vb, stride_vs, stride_vh,
+                         BLOCK_SIZE, BLOCK_N) + offs_n * stride_vs
         vt8 = tl.load(vb[None, :] + offs_d[:, None] * stride_vd).to(tl.float8e4nv, bitcast=True)
         if SCALED:  # each position's scale: 4 bytes in rows HEAD_DIM .. + 3
             bits = tl.load(vb + HEAD_DIM * stride_vd).to(tl.int32)
@@ -175,15 +169,13 @@ def decode_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, part_o, part_lse, meta.query_start_loc, meta.context_lens,
         meta.block_tables, meta.context_lens if order is None else order, scale * LOG2E,
         num_splits,
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_strides(v_cache),
+        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         meta.block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
         WRITE_OUT=num_splits == 1, SCALED=flags["SCALED"], FP8_P=fp8_p,
-        EXACT=not q.is_cuda, LONGEST_FIRST=order is not None, V_RUN=flags["V_RUN"],
-        K_PLANE=flags["K_PLANE"],
-        num_warps=num_warps,
-        num_stages=num_stages,
+        EXACT=not q.is_cuda, LONGEST_FIRST=order is not None, K_PLANE=flags["K_PLANE"],
+        num_warps=num_warps, num_stages=num_stages,
     )
     reduce_splits(part_o, part_lse, out, meta.query_start_loc, num_rows, num_splits)
     return out

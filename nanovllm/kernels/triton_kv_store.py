@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.torch_attention import k_scale_plane, v_run, v_transposed
+from nanovllm.kernels.torch_attention import k_scale_plane, v_transposed
 from nanovllm.kernels.triton_ops import qk_norm_rope, qk_norm_rope_program, rope_launch
 from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
@@ -20,8 +20,9 @@ FP8_MAX = tl.constexpr(448.0)  # the largest float8 e4m3 value
 # a transposed fp8 V written 16 positions at a time where a launch stores 16 tokens at
 # consecutive slots from a multiple of 16 (a prefill chunk's): the first token's program
 # writes each row's 16 bytes in one store, the others none, instead of every token writing
-# its 132 bytes one at a time (`_complete_run`). Off until measured
-RUN_STORES = False
+# its 132 bytes one at a time (`_complete_run`): a 16,384-token prefill step's fp8 store
+# 108 us a layer instead of 280 (benchmarks/kv_store.py --pattern prefill; BENCHMARKS.md)
+RUN_STORES = True
 RUN = tl.constexpr(16)
 
 
@@ -34,7 +35,7 @@ def _store_kv_kernel(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr = False, V_RUN: tl.constexpr = 0, K_PLANE: tl.constexpr = False,
+    V_T: tl.constexpr = False, K_PLANE: tl.constexpr = False,
     RUN_STORE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -43,8 +44,8 @@ def _store_kv_kernel(
         stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
         stride_kcb, stride_kcs, stride_kch, stride_kcd,
         stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, V_RUN,
-        K_PLANE, RUN_STORE,
+        NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, K_PLANE,
+        RUN_STORE,
     )
 
 
@@ -57,10 +58,9 @@ def _store_token(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr, V_RUN: tl.constexpr, K_PLANE: tl.constexpr, RUN_STORE: tl.constexpr,
+    V_T: tl.constexpr, K_PLANE: tl.constexpr, RUN_STORE: tl.constexpr,
 ):
-    # token `tok`'s K/V [heads, head_dim] into its slot (-1: none). V_RUN: V in runs of that
-    # many positions, stride_vcs the runs' stride (torch_attention.v_run, _v_strides)
+    # token `tok`'s K/V [heads, head_dim] into its slot (-1: none)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     # clamp so a skipped (-1) slot never forms an address before the cache, even masked
     safe = tl.maximum(slot, 0)
@@ -76,10 +76,7 @@ def _store_token(
     v = tl.load(v_ptr + src * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
                 mask=mask)
     kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs
-    if V_RUN:
-        vc = v_cache_ptr + blk * stride_vcb + (off // V_RUN) * stride_vcs + off % V_RUN
-    else:
-        vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs
+    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs
     if FP8:
         head_mask = offs_h < tl.where(slot >= 0, NUM_HEADS, 0)
         if K_PLANE:  # the block-head's scales after its values (torch_attention.k_scale_plane)
@@ -92,10 +89,7 @@ def _store_token(
             lead, complete = _complete_run(slot_ptr, tok, slot, tl.num_programs(0))
             if complete & (tok == lead):
                 first = tl.multiple_of(off - off % RUN, RUN)  # said: the stores vectorize
-                if V_RUN:
-                    run_at = v_cache_ptr + blk * stride_vcb + (first // V_RUN) * stride_vcs
-                else:
-                    run_at = v_cache_ptr + blk * stride_vcb + first * stride_vcs
+                run_at = v_cache_ptr + blk * stride_vcb + first * stride_vcs
                 _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_vch,
                              stride_vcd, NUM_HEADS, HEAD_DIM, BLOCK_D, SCALED)
             heads = tl.where((slot >= 0) & (complete == 0), NUM_HEADS, 0)
@@ -231,7 +225,7 @@ def _rope_store_kernel(
     HAS_NORM: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr = False, V_RUN: tl.constexpr = 0, K_PLANE: tl.constexpr = False,
+    V_T: tl.constexpr = False, K_PLANE: tl.constexpr = False,
     RUN_STORE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -251,8 +245,8 @@ def _rope_store_kernel(
             stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
             stride_kcb, stride_kcs, stride_kch, stride_kcd,
             stride_vcb, stride_vcs, stride_vch, stride_vcd,
-            NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, V_RUN,
-            K_PLANE, RUN_STORE,
+            NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, K_PLANE,
+            RUN_STORE,
         )
 
 
@@ -274,7 +268,7 @@ def qk_norm_rope_store(
     args, consts = launch
     _rope_store_kernel[(q.shape[0], 2)](
         *args, v, k_cache, v_cache, slot_mapping,
-        *v.stride(), *k_cache.stride(), *v_strides(v_cache),
+        *v.stride(), *k_cache.stride(), *v_cache.stride(),
         **consts, **_store_consts(k, k_cache, v_cache), **pdl_launch(k),
     )
     return q, k
@@ -296,7 +290,7 @@ def store_kv(
         return
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_strides(v_cache),
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         **_store_consts(k, k_cache, v_cache), **pdl_launch(k),
     )
 
@@ -310,30 +304,19 @@ def _store_consts(k: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
                 RUN_STORE=RUN_STORES and flags["FP8"] and flags["V_T"], **flags)
 
 
-def v_strides(v_cache: torch.Tensor) -> tuple[int, int, int, int]:
-    """The V cache's strides as the kernels take them: in runs (torch_attention.v_run),
-    the slot stride's place holds the runs' stride (a run's [width, run] bytes), which the
-    view cannot say."""
-    sb, ss, sh, sd = v_cache.stride()
-    run = v_run(v_cache)
-    return (sb, v_cache.shape[-1] * run, sh, sd) if run else (sb, ss, sh, sd)
-
-
 def _fp8_flags(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
                q: torch.Tensor | None = None) -> dict:
     """The cache format's kernel flags. A cache of bytes holds float8 e4m3
     (kv_cache_dtype="fp8"); one wider than head_dim holds each token-head's float32 scale
     after its values (torch_attention's format); V_T: the V cache is stored transposed
-    within each block (worker/kv_cache.py), V_RUN in runs of that many positions (0: the
-    whole block; `v_strides`); K_PLANE: the K cache keeps each block-head's scales in a
+    within each block (worker/kv_cache.py); K_PLANE: the K cache keeps each block-head's scales in a
     plane after its values (torch_attention.k_scale_plane; only beside a transposed V, whose
     kernels read K by blocks). With the attention's query `q`: FP8_ASM,
     whether the tiles are converted by PTX into float16 and the dots run in float16 (a
     bf16/fp16 query on a GPU; see _load_kv_tile)."""
     fp8 = k_cache.dtype == torch.uint8
     flags = dict(FP8=fp8, SCALED=fp8 and k_cache.shape[-1] > head_dim,
-                 V_T=v_transposed(v_cache), V_RUN=v_run(v_cache),
-                 K_PLANE=k_scale_plane(k_cache))
+                 V_T=v_transposed(v_cache), K_PLANE=k_scale_plane(k_cache))
     if flags["K_PLANE"] and not flags["V_T"]:
         raise ValueError("a K cache with a scale plane needs a V cache stored transposed")
     if q is not None:

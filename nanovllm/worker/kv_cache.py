@@ -15,7 +15,7 @@ from torch import nn
 
 from nanovllm.core.config import ResolvedConfig
 from nanovllm.core.errors import ConfigError
-from nanovllm.kernels.torch_attention import fp8_width, runs_view, scale_plane_view
+from nanovllm.kernels.torch_attention import fp8_width, scale_plane_view
 from nanovllm.model.config import ModelConfig
 
 log = logging.getLogger("nanovllm")
@@ -29,20 +29,13 @@ FP8_V_TRANSPOSED = True
 # fp8 decode ran 1.02-1.04x faster over it (benchmarks/attention.py --kv-layouts), the seed
 # workload (its store included) 1.01x (scripts/gpu_plan.sh klayout; BENCHMARKS.md)
 FP8_K_HEAD_MAJOR = True
-# an fp8 V cache transposed in runs of this many positions (16; None: the whole block),
-# each head's runs together: a head's block is [block_size / run] runs of [width, run] bytes,
-# so it stays one contiguous region as a decode program reads it, while a decode step's store
-# writes each token-head's 132 bytes into 132 * run / 32 partly written 32-byte sectors
-# instead of 132 (kernels/torch_attention.py v_run). Runs of 16 load as the whole block's
-# rows do, in 16-byte copies (`python -m tests.model.sm90_ptx --v-runs`); runs of 8 load a
-# byte at a time, so only 16 is taken. (Runs with the heads inside them were refuted:
-# branch exp/v-runs, BENCHMARKS.md ninth session.) Off until measured
-FP8_V_RUN: int | None = None
 # an fp8 K cache, head-major, with each block-head's float32 scales in a plane after its
 # values ([block_size, head_dim] value bytes, then [block_size] scales) instead of after each
 # row: a decode tile then reads 132 bytes a position instead of the padded row's 144, K and V
-# 264 instead of 276 (kernels/torch_attention.py k_scale_plane). Off until measured
-FP8_K_SCALE_PLANE = False
+# 264 instead of 276 (kernels/torch_attention.py k_scale_plane). The decode attention ran
+# 1.06x faster over it, the seed workload 1.03x in three rounds, 1.045x with the prefill's
+# run stores (triton_kv_store.RUN_STORES; scripts/gpu_plan.sh layouts; BENCHMARKS.md)
+FP8_K_SCALE_PLANE = True
 
 
 @dataclass(frozen=True)
@@ -159,9 +152,6 @@ class KVCache:
             if self.v_transposed:
                 nb, bs, heads, width = v.shape
                 v = v.view(nb, heads, width, bs).permute(0, 3, 1, 2)
-                if FP8_V_RUN and FP8_V_RUN < bs:
-                    assert FP8_V_RUN == 16, "runs of 16 positions (8 load a byte at a time)"
-                    v = runs_view(v, FP8_V_RUN)
             attn.v_cache = v
 
     @staticmethod

@@ -81,7 +81,7 @@ def _signature(fn, args, kwargs):
     return sig, consts, attrs, options
 
 
-def record(kv_cache_dtype: str, scales: str, v_run: int = 0, k_plane: bool = False,
+def record(kv_cache_dtype: str, scales: str, k_plane: bool = False,
            run_stores: bool = False) -> list:
     import importlib
 
@@ -108,10 +108,6 @@ def record(kv_cache_dtype: str, scales: str, v_run: int = 0, k_plane: bool = Fal
     cache = [torch.zeros(blocks, BS, HKV, fmt.width, dtype=fmt.dtype) for _ in range(2)]
     if fmt.dtype == torch.uint8:  # an fp8 V cache is stored transposed (KVCache.bind)
         cache[1] = cache[1].view(blocks, HKV, fmt.width, BS).permute(0, 3, 1, 2)
-    if v_run:  # in runs, each head's together (kv_cache.FP8_V_RUN)
-        from nanovllm.kernels.torch_attention import runs_view
-
-        cache[1] = runs_view(cache[1], v_run)
     if k_plane:  # K head-major, its scales in a plane (kv_cache.FP8_K_SCALE_PLANE)
         from nanovllm.kernels.torch_attention import scale_plane_view
 
@@ -262,9 +258,6 @@ def main() -> None:
         return
     launches = [(case, call) for case, (kv_dtype, scales) in CASES.items()
                 for call in record(kv_dtype, scales)]
-    if "--v-runs" in sys.argv[1:]:  # and over V in runs of 8 and 16 positions
-        launches += [(f"fp8-v-runs-{run}", call) for run in (8, 16)
-                     for call in record("fp8", "token", v_run=run)]
     if "--run-stores" in sys.argv[1:]:  # and the stores writing complete runs at once
         launches += [("fp8-run-stores", call) for call in record("fp8", "token", run_stores=True)
                      if call[0].__name__ in ("_store_kv_kernel", "_rope_store_kernel")]

@@ -281,67 +281,12 @@ def assert_same_bytes(got: torch.Tensor, want: torch.Tensor, dev: str, what: str
         torch.testing.assert_close(a, b, rtol=0.13, atol=1e-6)
 
 
-def in_runs(v8: torch.Tensor, run: int) -> torch.Tensor:
-    """The same logical V cache stored as an engine with kv_cache.FP8_V_RUN stores it: each
-    block-head's bytes as runs of `run` positions, each run [width, run]."""
-    nb, bs, heads, width = v8.shape
-    if run >= bs:  # a run of the whole block: the transposed layout itself
-        return transposed(v8)
-    view = ta.runs_view(torch.zeros_like(transposed(v8)), run)
-    assert ta.v_run(view) == run and ta.v_transposed(view)
-    ta.run_parts(view).copy_(v8.view(nb, bs // run, run, heads, width).permute(0, 3, 1, 4, 2))
-    return view
-
-
-@pytest.mark.parametrize("run", [8, 16])
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_attention_over_v_in_runs(triton_device, case, run):
-    """V transposed in runs of 8 or 16 positions, each head's runs together: the Triton
-    kernels (prefill, prefix hits, decode with and without splits, mixed) and the torch
-    reference over it both give the attention of the row-major caches."""
-    c, k8, v8, attend = fp8_case(case, True, triton_device)
-    d = c.q.shape[-1]
-    v8, k8 = finite_unread(v8, d, True), finite_unread(k8, d, True)
-    vr = in_runs(v8, run)
-    assert torch.equal(ta._blocks(vr, torch.arange(v8.shape[0], device=v8.device)), v8)
-    kd, vd = (ta.dequantize_fp8(x, d, torch.float32) for x in (k8, v8))
-    check_close(attend(k8, vr), reference(c.q, kd, vd, c.meta, c.scale), torch.float32,
-                case[0])
-    torch.testing.assert_close(ta.paged_attention(c.q, k8, vr, c.meta, c.scale),
-                               ta.paged_attention(c.q, k8, v8, c.meta, c.scale), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("run", [8, 16])
-def test_store_kv_into_v_in_runs(triton_device, run):
-    """Both backends' stores into V in runs leave the logical bytes their stores into a
-    row-major cache leave."""
-    k, v, slots, want_k, want_v = reference_store(5, 32, 4)
-    for backend, dev in ((ta, "cpu"), (tb, triton_device)):
-        vr = in_runs(torch.zeros_like(want_v, device=dev), run)
-        backend.store_kv(k.to(dev), v.to(dev), torch.zeros_like(want_k, device=dev), vr,
-                         slots.to(dev))
-        got = ta._blocks(vr, torch.arange(4, device=dev)).cpu()
-        assert_same_bytes(got, want_v, dev, backend.__name__)
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_attention_over_a_k_scale_plane_and_v_in_runs(triton_device, case):
-    """Both layouts at once (kv_cache.FP8_K_SCALE_PLANE and FP8_V_RUN): the attention of
-    the row-major caches."""
-    c, k8, v8, attend = fp8_case(case, True, triton_device)
-    d = c.q.shape[-1]
-    k8, v8 = finite_unread(k8, d, True), finite_unread(v8, d, True)
-    kd, vd = (ta.dequantize_fp8(x, d, torch.float32) for x in (k8, v8))
-    check_close(attend(scale_plane(k8, d), in_runs(v8, 16)),
-                reference(c.q, kd, vd, c.meta, c.scale), torch.float32, case[0])
-
-
-@pytest.mark.parametrize("run", [None, 16], ids=["whole-block", "v-in-runs"])
-def test_run_stores_write_the_reference_bytes(triton_device, run, monkeypatch):
+@pytest.mark.parametrize("k_plane", [False, True], ids=["k-rows", "k-scale-plane"])
+def test_run_stores_write_the_reference_bytes(triton_device, k_plane, monkeypatch):
     """With triton_kv_store.RUN_STORES a prefill chunk's complete runs of 16 slots are
     written by their first token's program, 16 bytes a row: the same bytes as token by
     token, beside partial runs, skipped tokens, a chunk starting mid-run and decode
-    tokens."""
+    tokens; K's rows or scale plane as the store without runs writes them."""
     ts = triton_module("nanovllm.kernels.triton_kv_store")
     monkeypatch.setattr(ts, "RUN_STORES", True)
     heads, dim, bs, blocks = 2, 64, 32, 8
@@ -358,9 +303,11 @@ def test_run_stores_write_the_reference_bytes(triton_device, run, monkeypatch):
     want_v = torch.zeros_like(want_k)
     ta.store_kv(k, v, want_k, want_v, slots)
     dev = triton_device
-    vt = in_runs(torch.zeros_like(want_v, device=dev), run or bs)
+    vt = transposed(torch.zeros_like(want_v, device=dev))
     got_k = torch.zeros_like(want_k, device=dev)
+    if k_plane:
+        got_k = scale_plane(got_k, dim)
     ts.store_kv(k.to(dev), v.to(dev), got_k, vt, slots.to(dev))
-    got_v = ta._blocks(vt, torch.arange(blocks, device=dev)).cpu()
-    assert_same_bytes(got_v, want_v, dev, "V")
-    assert_same_bytes(got_k.cpu(), want_k, dev, "K")
+    every = torch.arange(blocks, device=dev)
+    assert_same_bytes(ta._blocks(vt, every).cpu(), want_v, dev, "V")
+    assert_same_bytes(ta._blocks(got_k, every).cpu(), want_k, dev, "K")

@@ -141,15 +141,3 @@ def test_decode_fp8_over_a_k_scale_plane(triton_device):
                           num_splits=2)
     torch.testing.assert_close(plane, rows, rtol=0, atol=0)
 
-
-@pytest.mark.parametrize("run", [8, 16])
-def test_decode_fp8_over_v_in_runs(triton_device, run):
-    """V in runs of 8 or 16 positions (kv_cache.FP8_V_RUN): the same output as over V
-    transposed whole blocks."""
-    from tests.model.test_triton_fp8 import in_runs
-
-    c, k8, vt = fp8_batch(triton_device, True)
-    logical = ta._blocks(vt, torch.arange(vt.shape[0], device=vt.device)).contiguous()
-    whole = fd.decode_fp8(c.q, k8, vt, c.meta, c.scale, num_splits=2)
-    runs = fd.decode_fp8(c.q, k8, in_runs(logical, run), c.meta, c.scale, num_splits=2)
-    torch.testing.assert_close(runs, whole, rtol=0, atol=0)
