@@ -101,6 +101,14 @@ class Batch:
             self.k_cache = self.k_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
             if kv == "bf16-heads":  # (an fp8 V is head-major already: transposed per head)
                 self.v_cache = self.v_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+        # K's scales in a plane: "-plane", or "fp8-token" as the engine stores it
+        # (kv_cache.FP8_K_SCALE_PLANE); "-kpad": head-major rows padded to 144 bytes
+        if kv == "fp8-token-plane" or (kv == "fp8-token" and kv_cache.FP8_K_SCALE_PLANE):
+            logical = self.k_cache
+            self.k_cache = ta.scale_plane_view(torch.zeros_like(logical), D)
+            values, scales = ta.scale_plane_parts(self.k_cache)
+            values.copy_(logical[..., :D])
+            scales.copy_(logical[..., D:D + 4])
         pairs = sum(sum(range(c - q + 1, c + 1)) for q, c in rows)
         self.flops = 4 * HQ * D * pairs
         self._expected = None
@@ -109,8 +117,11 @@ class Batch:
         from nanovllm.kernels import torch_attention as torch_backend
 
         if self._expected is None:
-            kc, vc = (torch_backend.dequantize_fp8(c, D, torch.float32) if c.dtype == torch.uint8
-                      else c.float() for c in (self.k_cache, self.v_cache))
+            blocks = torch.arange(self.k_cache.shape[0], device=self.k_cache.device)
+            kc, vc = (torch_backend.dequantize_fp8(torch_backend._blocks(c, blocks), D,
+                                                   torch.float32)
+                      if c.dtype == torch.uint8 else c.float()
+                      for c in (self.k_cache, self.v_cache))
             q = self.q.float()
             self._expected = torch_backend.paged_attention(q, kc, vc, self.meta, self.scale)
         return self._expected
@@ -508,6 +519,7 @@ ONLY = (
     ("--fp8-registers", "only the engine's fp8 decode under register caps"),
     ("--decode-buffers", "only both caches' decode at multi-buffered tiles"),
     ("--kv-layouts", "only both caches' decode over position- and head-major blocks"),
+    ("--k-plane", "only the fp8 decode over K's padded rows against K's scales in a plane"),
     ("--group-rows", "only both caches' decode with dots of 16 rows against the group's"),
     ("--skip-past", "only the fp8 decode reading its last tiles to the end or whole"),
     ("--fp8-splits", "only the fp8 decode's split counts at small batches"),
@@ -541,7 +553,8 @@ def main() -> int:
     tables = {"splits": decode_split_sweep, "fp8": fp8, "ragged": ragged_table,  # ONLY's
               "prefill": prefill_sweep, "fp8_decode": fp8_decode_table,  # flags, in order
               "fp8_registers": dt.fp8_register_table, "decode_buffers": dt.decode_buffers_table,
-              "kv_layouts": dt.kv_layout_table, "group_rows": dt.group_rows_table,
+              "kv_layouts": dt.kv_layout_table, "k_plane": dt.k_plane_table,
+              "group_rows": dt.group_rows_table,
               "skip_past": dt.skip_past_table, "fp8_splits": dt.fp8_split_table}
     chosen = [fn for name, fn in tables.items() if getattr(args, name)]
     parts = chosen[:1] or (main_table, None if args.quick else sweeps)

@@ -60,6 +60,29 @@ def kv_layout_table(table: Table) -> None:
             del batch
 
 
+def _layout_ab(table: Table, kvs: tuple[str, str]) -> None:
+    # the fp8 decode (blocks of 128, the engine's tiles) over two cache layouts, alternating
+    # twice, at the seed's contexts, ragged ones and 64 rows; CUDA-graph times, each checked
+    # against the reference
+    for name, rows in (("decode seed contexts", seed_decode_rows(256)),
+                       ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000)),
+                       ("decode B=64 seed contexts", seed_decode_rows(64))):
+        batches = {kv: make_batch(table, f"{name} bs=128 {kv}", rows, 128, kv) for kv in kvs}
+        if not all(batches.values()):
+            continue
+        for _ in range(2):
+            for kv, batch in batches.items():
+                run_triton(table, f"{name} bs=128 {kv}", "engine", batch, graph=True)
+        del batches
+
+
+def k_plane_table(table: Table) -> None:
+    """The fp8 decode over K head-major with each row's scale after its values, padded to
+    144 bytes, against K's scales in a plane after each block-head's values (the engine's,
+    kv_cache.FP8_K_SCALE_PLANE: 132 bytes a position read instead of 144)."""
+    _layout_ab(table, ("fp8-token-kpad", "fp8-token-plane"))
+
+
 def skip_past_table(table: Table) -> None:
     """The fp8 decode (blocks of 128, the engine's tiles) reading nothing past each row's
     end (triton_attention.SKIP_PAST_END, the default) against reading its last tile whole,

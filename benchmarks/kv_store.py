@@ -43,13 +43,16 @@ def make_cache(fmt: str, num_blocks: int, block_size: int, heads: int, head_dim:
             return torch.zeros(num_blocks, block_size, heads, head_dim, dtype=torch.bfloat16,
                                device=dev)
         return one(), one()
-    from nanovllm.worker.kv_cache import FP8_K_HEAD_MAJOR
+    from nanovllm.kernels.torch_attention import scale_plane_view
+    from nanovllm.worker.kv_cache import FP8_K_HEAD_MAJOR, FP8_K_SCALE_PLANE
 
     width = fp8_width(head_dim, scaled=fmt != "fp8 one scale")
     k = torch.zeros(num_blocks, block_size, heads, width, dtype=torch.uint8, device=dev)
-    if fmt.endswith("V_T") and FP8_K_HEAD_MAJOR:  # the engine's K: head-major in each block
+    if fmt.endswith("V_T") and FP8_K_HEAD_MAJOR:  # the engine's K: head-major in each block,
         k = torch.zeros(num_blocks, heads, block_size, width, dtype=torch.uint8,
                         device=dev).permute(0, 2, 1, 3)
+        if FP8_K_SCALE_PLANE:  # its scales in a plane after each block-head's values
+            k = scale_plane_view(k, head_dim)
     if fmt.endswith("V_T") or fmt == "fp8 one scale":
         v = torch.zeros(num_blocks, heads, width, block_size, dtype=torch.uint8, device=dev)
         return k, v.permute(0, 3, 1, 2)
@@ -67,8 +70,16 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true",
                     help="the L2 cache overwritten before each run (triton.testing.do_bench), "
                     "not a replayed graph")
+    ap.add_argument("--no-run-stores", action="store_true",
+                    help="a transposed V stored token by token, not its complete runs of 16 "
+                    "slots 16 bytes a row (triton_kv_store.RUN_STORES off; before 2026-12-02)")
     args = ap.parse_args()
     import triton
+
+    if args.no_run_stores:
+        from nanovllm.kernels import triton_kv_store
+
+        triton_kv_store.RUN_STORES = False
 
     from benchmarks.speed_of_light import _copy_seconds
     from nanovllm.kernels.triton_kv_store import qk_norm_rope_store, store_kv

@@ -165,6 +165,14 @@ def set_engine_switches(args: argparse.Namespace) -> None:
         from nanovllm.worker import model_runner
 
         model_runner.FREEZE_GC_AFTER_SETUP = True
+    if args.no_k_scale_plane:
+        from nanovllm.worker import kv_cache
+
+        kv_cache.FP8_K_SCALE_PLANE = False
+    if args.no_run_stores:
+        from nanovllm.kernels import triton_kv_store
+
+        triton_kv_store.RUN_STORES = False
     if args.no_pdl:
         from nanovllm.kernels import triton_pdl
 
@@ -318,6 +326,14 @@ def main() -> None:
     ap.add_argument("--decode-programs-per-sm", type=int, metavar="N",
                     help="the decode's KV splits aim at N programs an SM (default: the "
                     "engine's, triton_attention.TARGET_PROGRAMS_PER_SM)")
+    ap.add_argument("--no-k-scale-plane", action="store_true",
+                    help="an fp8 K cache's scales after each row, padded to 144 bytes, not in "
+                    "a plane after each block-head's values (kv_cache.FP8_K_SCALE_PLANE off; "
+                    "before 2026-12-02)")
+    ap.add_argument("--no-run-stores", action="store_true",
+                    help="a transposed fp8 V stored token by token, not a prefill chunk's "
+                    "complete runs of 16 slots 16 bytes a row (triton_kv_store.RUN_STORES "
+                    "off; before 2026-12-02)")
     ap.add_argument("--no-pdl", action="store_true",
                     help="the step's Triton kernels as plain launches, not programmatic "
                     "dependent ones (kernels/triton_pdl.py PDL off; before 2026-12-02)")

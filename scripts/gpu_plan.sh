@@ -71,6 +71,16 @@
 #   bash scripts/gpu_plan.sh fresh    # every process as a new user's first: each with an empty
 #                                     # Triton cache, the seed workload, DTYPE (fp8), the
 #                                     # defaults against --gc-freeze, alternating, ROUNDS (3)
+#   bash scripts/gpu_plan.sh layouts  # an fp8 K's scales in a plane (kv_cache.
+#                                     # FP8_K_SCALE_PLANE) and a prefill's V stored by runs
+#                                     # (triton_kv_store.RUN_STORES), both on by default: the
+#                                     # GPU tests, the store (kv_store.py, warm, cold, prefill
+#                                     # by token and by runs) and the decode over each K
+#                                     # layout, then the seed workload, fp8, defaults /
+#                                     # --no-k-scale-plane / --no-run-stores / both off,
+#                                     # alternating, ROUNDS (2), after a warm-up run
+#                                     # (SKIP_TESTS=1, SKIP_KERNELS=1 skip parts; PROFILE=1
+#                                     # adds a decode step's kernels under each K layout)
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -80,7 +90,7 @@
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, firstrun, pdl, fresh, tiles, syncs or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, firstrun, pdl, fresh, layouts, tiles, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -261,6 +271,41 @@ case "$stage" in
         TRITON_CACHE_DIR=$(mktemp -d) offline fresh.log "round $round ${flags:-defaults}" \
           "${DTYPE:-fp8}" $flags
       done
+    done ;;
+  layouts)
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_triton_fp8.py \
+        tests/model/test_triton_fp8_decode.py tests/engine/test_fp8_kv.py \
+        -k "plane or run_stores or equals_the_torch or transposed" 2>&1 | tail -3 \
+        | tee "$OUT/layouts_tests.log"
+    fi
+    if [ -z "${SKIP_KERNELS:-}" ]; then
+      for cold in "" --cold; do
+        # shellcheck disable=SC2086
+        timeout 120 python3 -m benchmarks.kv_store --tokens 256 2048 $cold 2>&1 \
+          | tee -a "$OUT/layouts_store.log" | tail -12
+      done
+      for runs in --no-run-stores ""; do  # a prefill step's store, token by token / by runs
+        # shellcheck disable=SC2086
+        timeout 120 python3 -m benchmarks.kv_store --pattern prefill --tokens 2048 16384 \
+          $runs 2>&1 | tee -a "$OUT/layouts_store.log" | tail -12
+      done
+      timeout 150 python3 -m benchmarks.attention --k-plane 2>&1 \
+        | tee -a "$OUT/layouts_attention.log" | tail -16
+    fi
+    if [ -n "${PROFILE:-}" ]; then  # a 256-row fp8 decode step's kernels, each K layout
+      for flags in "" --no-k-scale-plane; do
+        # shellcheck disable=SC2086
+        timeout 200 python3 -m benchmarks.profile_step --kv-cache-dtype fp8 $flags 2>&1 \
+          | tee -a "$OUT/layouts_profile.log" | tail -30
+      done
+    fi
+    offline layouts.log "warm-up, not counted" fp8
+    for round in $(seq "${ROUNDS:-2}"); do
+      offline layouts.log "round $round defaults" fp8
+      offline layouts.log "round $round no k scale plane" fp8 --no-k-scale-plane
+      offline layouts.log "round $round no run stores" fp8 --no-run-stores
+      offline layouts.log "round $round neither" fp8 --no-k-scale-plane --no-run-stores
     done ;;
   klayout)
     flip() { sed -i "s/^FP8_K_HEAD_MAJOR = .*/FP8_K_HEAD_MAJOR = $1/" nanovllm/worker/kv_cache.py; }

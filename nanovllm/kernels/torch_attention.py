@@ -5,7 +5,9 @@ KVFormat): its last dimension is head_dim (one static scale of 1) or `fp8_width`
 token-head's float32 scale after its values, padded to 16 bytes). K/V are quantized as they
 are stored and dequantized as a row's context is read, to the query's dtype. An fp8 V cache
 may be stored transposed within each block (`v_transposed`; worker/kv_cache.py): the same
-logical view, its rows gathered and written through it here.
+logical view, its rows gathered and written through it here. An fp8 K cache may keep
+each block-head's scales in a plane after its values (`k_scale_plane`), whose view's strides
+cannot say where every byte is: it is read and written through views of its own.
 """
 
 import torch
@@ -65,20 +67,76 @@ def v_transposed(cache: torch.Tensor) -> bool:
     return cache.dim() == 4 and cache.stride(1) == 1 and cache.shape[1] > 1
 
 
+def k_scale_plane(cache: torch.Tensor) -> bool:
+    """Whether an fp8 K cache keeps each block-head's float32 scales in a plane after its
+    values (worker/kv_cache.py FP8_K_SCALE_PLANE): a head's block is [block_size, head_dim]
+    value bytes, then [block_size] scales, so reading it skips the rows' 16-byte padding.
+    Its [blocks, block_size, Hkv, width] view steps positions by head_dim bytes, fewer than
+    its width, which no other layout does; the view's bytes past head_dim are not its own
+    (read and written here through `scale_plane_parts`)."""
+    return cache.dim() == 4 and cache.dtype == torch.uint8 and 1 < cache.stride(1) < cache.shape[-1]
+
+
+def scale_plane_view(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """An fp8 K cache's [blocks, block_size, Hkv, width] bytes, each block-head's contiguous
+    (head-major), seen in the scale-plane layout (`k_scale_plane`)."""
+    nb, bs, heads, width = cache.shape
+    sb, _, sh, _ = cache.stride()
+    assert (heads == 1 or sh == bs * width) and width >= head_dim + 4, "head-major scaled rows"
+    return cache.as_strided((nb, bs, heads, width), (sb, head_dim, sh, 1),
+                            cache.storage_offset())
+
+
+def scale_plane_parts(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A scale-plane cache's (values [blocks, block_size, Hkv, head_dim], scale bytes
+    [blocks, block_size, Hkv, 4]), two views that do not overlap."""
+    nb, bs, heads, _ = cache.shape
+    sb, dim, sh, _ = cache.stride()
+    values = cache.as_strided((nb, bs, heads, dim), (sb, dim, sh, 1), cache.storage_offset())
+    scales = cache.as_strided((nb, bs, heads, 4), (sb, 4, sh, 1),
+                              cache.storage_offset() + bs * dim)
+    return values, scales
+
+
+def _logical(values: torch.Tensor, scales: torch.Tensor, width: int) -> torch.Tensor:
+    # a scale-plane cache's rows as the reference's format: values, scale, zero padding
+    pad = values.new_zeros(*values.shape[:-1], width - values.shape[-1] - 4)
+    return torch.cat([values, scales, pad], -1)
+
+
 def _rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The cache's [len(slots), Hkv, width] rows at `slots`."""
     if cache.is_contiguous():
         return cache.view(-1, *cache.shape[2:]).index_select(0, slots)
     block_size = cache.shape[1]
+    if k_scale_plane(cache):
+        values, scales = scale_plane_parts(cache)
+        at = (slots // block_size, slots % block_size)
+        return _logical(values[at], scales[at], cache.shape[-1])
     return cache[slots // block_size, slots % block_size]
+
+
+def _blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """The cache's blocks at `tables` [..., n]: [..., n, block_size, Hkv, width]."""
+    if k_scale_plane(cache):
+        values, scales = scale_plane_parts(cache)
+        return _logical(values[tables], scales[tables], cache.shape[-1])
+    return cache[tables]
 
 
 def _write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     if cache.is_contiguous():
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
+        return
+    block_size = cache.shape[1]
+    pos = slots % block_size
+    if k_scale_plane(cache):
+        values, scales = scale_plane_parts(cache)
+        dim = values.shape[-1]
+        values[slots // block_size, pos] = rows[..., :dim]
+        scales[slots // block_size, pos] = rows[..., dim:dim + 4]
     else:
-        block_size = cache.shape[1]
-        cache[slots // block_size, slots % block_size] = rows
+        cache[slots // block_size, pos] = rows
 
 
 def store_kv(
@@ -201,7 +259,7 @@ def _decode_batched(q, k_cache, v_cache, meta, scale, rows, starts, out) -> None
     row_idx = torch.tensor(rows, device=q.device)
     tok_idx = torch.tensor([starts[i] for i in rows], device=q.device)
     tables = meta.block_tables[row_idx, :num_blocks].long()
-    k = _read(k_cache[tables].flatten(1, 2), q.shape[-1], q.dtype)  # [R, L, Hkv, D]
+    k = _read(_blocks(k_cache, tables).flatten(1, 2), q.shape[-1], q.dtype)  # [R, L, Hkv, D]
     v = _read(v_cache[tables].flatten(1, 2), q.shape[-1], q.dtype)
     lens = meta.context_lens[row_idx].to(q.device)
     mask = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # [R, L]

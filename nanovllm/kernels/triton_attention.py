@@ -318,6 +318,7 @@ def _load_block_tile(
     stride_b, stride_s, stride_h, stride_d,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
     SCALED: tl.constexpr, COMPUTE: tl.constexpr, V_T: tl.constexpr, SKIP: tl.constexpr,
+    K_PLANE: tl.constexpr = False,
 ):
     # -> (tile in COMPUTE, scale [N]) of an fp8 cache whose tile of positions
     # start .. start + N - 1 lies in one block: K^T [D, N] from K's rows of positions, or,
@@ -334,8 +335,9 @@ def _load_block_tile(
     # 0); that needs their bytes finite (0 * NaN is NaN): the cache starts zeroed and the
     # store writes no NaN (triton_kv_store.py). Zeroing them after the load instead, any
     # select on the tile, sends it through shared memory a second time (seen in the PTX).
-    base = _tile_block(cache_ptr, bt_row_ptr, start, kv_head, stride_b, stride_s, stride_h,
-                       BLOCK_SIZE, offs_n.shape[0]) + offs_n * stride_s
+    tile_at = _tile_block(cache_ptr, bt_row_ptr, start, kv_head, stride_b, stride_s, stride_h,
+                          BLOCK_SIZE, offs_n.shape[0])
+    base = tile_at + offs_n * stride_s
     if V_T:
         ptrs = base[None, :] + offs_d[:, None] * stride_d
         dim_ok = offs_d[:, None] < HEAD_DIM
@@ -363,6 +365,10 @@ def _load_block_tile(
                 bits = bits | (_load_masked(base + (HEAD_DIM + j) * stride_d, valid,
                                             MASKED and SKIP).to(tl.int32) << (8 * j))
             scale = bits.to(tl.float32, bitcast=True)
+        elif K_PLANE:  # the block-head's plane of float32 scales after its values
+            first = tl.multiple_of(start % BLOCK_SIZE, offs_n.shape[0])
+            plane = (tile_at + (BLOCK_SIZE - first) * stride_s).to(tl.pointer_type(tl.float32))
+            scale = _load_masked(plane + first + offs_n, valid, MASKED and SKIP)
         else:  # after the position's values
             scale = _load_masked((base + HEAD_DIM * stride_d).to(tl.pointer_type(tl.float32)),
                                  valid, MASKED and SKIP)
@@ -380,13 +386,14 @@ def _load_tiles(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr, COMPUTE: tl.constexpr,
     Q_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr, V_T: tl.constexpr, SKIP: tl.constexpr,
+    K_PLANE: tl.constexpr = False,
 ):
     # -> (K^T [D, N], its scales, V [N, D], its scales) of the tile of positions start + offs_n
     if V_T:  # an fp8 cache, V transposed: each tile in one block (see _load_block_tile)
         k, k_scale = _load_block_tile(k_cache_ptr, bt_row, start, offs_n, valid, end, kv_head,
                                       offs_d, stride_kb, stride_ks, stride_kh, stride_kd,
                                       BLOCK_SIZE, HEAD_DIM, MASKED, SCALED, COMPUTE, False,
-                                      SKIP)
+                                      SKIP, K_PLANE)
         v, v_scale = _load_block_tile(v_cache_ptr, bt_row, start, offs_n, valid, end, kv_head,
                                       offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
                                       BLOCK_SIZE, HEAD_DIM, MASKED, SCALED, COMPUTE, True,
@@ -485,7 +492,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, WRITE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
     LONGEST_FIRST: tl.constexpr = False, V_T: tl.constexpr = False,
-    SKIP_PAST: tl.constexpr = False, PDL: tl.constexpr = False,
+    SKIP_PAST: tl.constexpr = False, K_PLANE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     # num_splits is a runtime int (one compiled kernel serves every split count);
@@ -520,7 +527,7 @@ def _decode_kernel(
             offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
-            q_ptr.dtype.element_ty, FP8_ASM, V_T, SKIP_PAST)
+            q_ptr.dtype.element_ty, FP8_ASM, V_T, SKIP_PAST, K_PLANE)
         acc, m_i, l_i = _softmax_step(q.to(k.dtype), k, v, k_scale, v_scale, acc, m_i, l_i,
                                       valid[None, :], scale_log2, True, SCALED, DOT_PRECISION)
 
@@ -625,7 +632,7 @@ def _prefill_kernel(
     SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
     V_T: tl.constexpr = False, FP8_MMA: tl.constexpr = False, FP8_P: tl.constexpr = False,
-    EXACT: tl.constexpr = False,
+    EXACT: tl.constexpr = False, K_PLANE: tl.constexpr = False,
 ):
     # FP8_MMA (fp8_attention, over a transposed V cache): q in e4m3, a scale per row, and
     # the tiles' bytes as they are go to the fp8 tensor cores (_softmax_step_fp8)
@@ -688,7 +695,7 @@ def _prefill_kernel(
             offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, FP8, SCALED, q.dtype,
-            q_ptr.dtype.element_ty, FP8_ASM, V_T, False)
+            q_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
         if FP8_MMA:
             acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
                                               row_scale, False, SCALED, FP8_P, EXACT)
@@ -703,7 +710,7 @@ def _prefill_kernel(
             k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, kv_end, kv_head, offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
-            q_ptr.dtype.element_ty, FP8_ASM, V_T, False)
+            q_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if FP8_MMA:
             acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i,

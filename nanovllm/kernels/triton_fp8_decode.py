@@ -64,7 +64,7 @@ def _decode_fp8_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_OUT: tl.constexpr, SCALED: tl.constexpr, FP8_P: tl.constexpr, EXACT: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr, K_PLANE: tl.constexpr = False,
 ):
     row, kv_head, split = _decode_program(order_ptr, NUM_Q_HEADS // GROUP, LONGEST_FIRST)
     q_start, is_decode, ctx, tile_lo, tile_hi = _decode_span(qsl_ptr, ctx_ptr, row, split,
@@ -89,11 +89,17 @@ def _decode_fp8_kernel(
     for tile in range(tile_lo, tile_hi):
         start = tile * BLOCK_N
         valid = start + offs_n < ctx
-        kb = _tile_block(k_cache_ptr, bt_row, start, kv_head, stride_kb, stride_ks, stride_kh,
-                         BLOCK_SIZE, BLOCK_N) + offs_n * stride_ks  # [N] each position's row
+        k_at = _tile_block(k_cache_ptr, bt_row, start, kv_head, stride_kb, stride_ks,
+                           stride_kh, BLOCK_SIZE, BLOCK_N)
+        kb = k_at + offs_n * stride_ks  # [N] each position's row
         k8 = tl.load(kb[:, None] + offs_d[None, :] * stride_kd).to(tl.float8e4nv, bitcast=True)
         st = tl.dot(k8, qt)  # [N, G]
-        if SCALED:  # each position's float32 scale, after its values
+        if SCALED and K_PLANE:  # the block-head's plane of scales after its values
+            first = tl.multiple_of(start % BLOCK_SIZE, BLOCK_N)
+            plane = (k_at + (BLOCK_SIZE - first) * stride_ks).to(tl.pointer_type(tl.float32))
+            k_scale = tl.load(plane + first + offs_n)
+            s = st * k_scale[:, None] * col_scale[None, :]
+        elif SCALED:  # each position's float32 scale, after its values
             k_scale = tl.load((kb + HEAD_DIM * stride_kd).to(tl.pointer_type(tl.float32)))
             s = st * k_scale[:, None] * col_scale[None, :]
         else:
@@ -168,8 +174,8 @@ def decode_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
         WRITE_OUT=num_splits == 1, SCALED=flags["SCALED"], FP8_P=fp8_p,
-        EXACT=not q.is_cuda, LONGEST_FIRST=order is not None, num_warps=num_warps,
-        num_stages=num_stages,
+        EXACT=not q.is_cuda, LONGEST_FIRST=order is not None, K_PLANE=flags["K_PLANE"],
+        num_warps=num_warps, num_stages=num_stages,
     )
     reduce_splits(part_o, part_lse, out, meta.query_start_loc, num_rows, num_splits)
     return out

@@ -12,11 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.torch_attention import v_transposed
+from nanovllm.kernels.torch_attention import k_scale_plane, v_transposed
 from nanovllm.kernels.triton_ops import qk_norm_rope, qk_norm_rope_program, rope_launch
 from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
 FP8_MAX = tl.constexpr(448.0)  # the largest float8 e4m3 value
+# a transposed fp8 V written 16 positions at a time where a launch stores 16 tokens at
+# consecutive slots from a multiple of 16 (a prefill chunk's): the first token's program
+# writes each row's 16 bytes in one store, the others none, instead of every token writing
+# its 132 bytes one at a time (`_complete_run`): a 16,384-token prefill step's fp8 store
+# 108 us a layer instead of 280 (benchmarks/kv_store.py --pattern prefill; BENCHMARKS.md)
+RUN_STORES = True
+RUN = tl.constexpr(16)
 
 
 @triton.jit
@@ -28,7 +35,8 @@ def _store_kv_kernel(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr = False, PDL: tl.constexpr = False,
+    V_T: tl.constexpr = False, K_PLANE: tl.constexpr = False,
+    RUN_STORE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     _store_token(
@@ -36,7 +44,8 @@ def _store_kv_kernel(
         stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
         stride_kcb, stride_kcs, stride_kch, stride_kcd,
         stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T,
+        NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, K_PLANE,
+        RUN_STORE,
     )
 
 
@@ -49,7 +58,7 @@ def _store_token(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr,
+    V_T: tl.constexpr, K_PLANE: tl.constexpr, RUN_STORE: tl.constexpr,
 ):
     # token `tok`'s K/V [heads, head_dim] into its slot (-1: none)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -70,10 +79,26 @@ def _store_token(
     vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs
     if FP8:
         head_mask = offs_h < tl.where(slot >= 0, NUM_HEADS, 0)
-        _store_fp8(kc, k, mask, head_mask, offs_h, offs_d, stride_kch, stride_kcd,
+        if K_PLANE:  # the block-head's scales after its values (torch_attention.k_scale_plane)
+            k_scale_at = k_cache_ptr + blk * stride_kcb + BLOCK_SIZE * stride_kcs + 4 * off
+        else:
+            k_scale_at = kc + HEAD_DIM * stride_kcd
+        _store_fp8(kc, k_scale_at, k, mask, head_mask, offs_h, offs_d, stride_kch, stride_kcd,
                    HEAD_DIM, SCALED, False)
-        _store_fp8(vc, v, mask, head_mask, offs_h, offs_d, stride_vch, stride_vcd,
-                   HEAD_DIM, SCALED, V_T)
+        if V_T and RUN_STORE:  # a complete run's first token writes its V, the others none
+            lead, complete = _complete_run(slot_ptr, tok, slot, tl.num_programs(0))
+            if complete & (tok == lead):
+                first = tl.multiple_of(off - off % RUN, RUN)  # said: the stores vectorize
+                run_at = v_cache_ptr + blk * stride_vcb + first * stride_vcs
+                _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_vch,
+                             stride_vcd, NUM_HEADS, HEAD_DIM, BLOCK_D, SCALED)
+            heads = tl.where((slot >= 0) & (complete == 0), NUM_HEADS, 0)
+            v_mask = (offs_h[:, None] < heads) & (offs_d[None, :] < HEAD_DIM)
+            _store_fp8(vc, vc + HEAD_DIM * stride_vcd, v, v_mask, offs_h < heads, offs_h,
+                       offs_d, stride_vch, stride_vcd, HEAD_DIM, SCALED, V_T)
+        else:
+            _store_fp8(vc, vc + HEAD_DIM * stride_vcd, v, mask, head_mask, offs_h, offs_d,
+                       stride_vch, stride_vcd, HEAD_DIM, SCALED, V_T)
     else:
         tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
                  k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -82,10 +107,55 @@ def _store_token(
 
 
 @triton.jit
-def _store_fp8(cache, x, mask, head_mask, offs_h, offs_d, stride_h, stride_d,
+def _complete_run(slot_ptr, tok, slot, num_tokens):
+    # -> (the token that leads token `tok`'s run, whether that run is complete: RUN tokens
+    # of this launch, from the lead on, at consecutive slots from a multiple of RUN, so all
+    # in one block and one sequence). Every token of a run computes the same answer
+    safe = tl.maximum(slot, 0)
+    lead = tok - safe % RUN
+    offs = tl.arange(0, RUN)
+    idx = lead + offs
+    inside = (idx >= 0) & (idx < num_tokens)
+    slots = tl.load(slot_ptr + tl.where(inside, idx, 0), mask=inside, other=-1)
+    same = (slots == (safe - safe % RUN) + offs) & inside
+    complete = (tl.sum(same.to(tl.int32), 0) == RUN) & (slot >= 0)
+    return lead, complete
+
+
+@triton.jit
+def _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h, stride_d,
+                 NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 SCALED: tl.constexpr):
+    # the V of RUN tokens from `lead` into a transposed cache at `run_at` (their first
+    # position): per head, each row's RUN bytes in one store, the bytes _store_fp8 writes
+    offs_t = tl.arange(0, RUN)
+    offs_d = tl.arange(0, BLOCK_D)
+    dim_ok = offs_d[None, :] < HEAD_DIM
+    rows = (lead + offs_t).to(tl.int64)
+    for h in tl.static_range(NUM_HEADS):
+        x = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :] * stride_vd,
+                    mask=dim_ok, other=0.0).to(tl.float32)  # [RUN, D]
+        x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -3.4028234663852886e38),
+                       3.4028234663852886e38)
+        head_at = run_at + h * stride_h
+        if SCALED:
+            scale = tl.maximum(tl.max(tl.abs(tl.where(dim_ok, x, 0.0)), 1), 1e-12) / FP8_MAX
+            x = x / scale[:, None]
+            bits = scale.to(tl.int32, bitcast=True)
+            for j in tl.static_range(4):
+                tl.store(head_at + (HEAD_DIM + j) * stride_d + offs_t,
+                         ((bits >> (8 * j)) & 0xFF).to(tl.uint8))
+        x = _round_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
+        tl.store(head_at + offs_d[None, :] * stride_d + offs_t[:, None],
+                 x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=dim_ok)
+
+
+@triton.jit
+def _store_fp8(cache, scale_at, x, mask, head_mask, offs_h, offs_d, stride_h, stride_d,
                HEAD_DIM: tl.constexpr, SCALED: tl.constexpr, PLANES: tl.constexpr):
     # the torch reference's quantize_fp8: float8 e4m3 bytes, then (SCALED) each head's
-    # float32 scale amax / 448 in the 4 bytes after its values. In a cache stored
+    # float32 scale amax / 448 at `scale_at` (head 0's; the 4 bytes after its values, or a
+    # K cache's scale plane). In a cache stored
     # transposed (PLANES: an fp8 V cache, worker/kv_cache.py) those 4 bytes are stride_d
     # apart, each in its own row of the block
     # NaN stored as 0, +-inf as +-float32 max, as the reference does: the cache holds finite
@@ -102,8 +172,7 @@ def _store_fp8(cache, x, mask, head_mask, offs_h, offs_d, stride_h, stride_d,
                 tl.store(cache + offs_h * stride_h + (HEAD_DIM + j) * stride_d,
                          ((bits >> (8 * j)) & 0xFF).to(tl.uint8), mask=head_mask)
         else:
-            scale_ptr = (cache + offs_h * stride_h + HEAD_DIM * stride_d).to(
-                tl.pointer_type(tl.float32))
+            scale_ptr = (scale_at + offs_h * stride_h).to(tl.pointer_type(tl.float32))
             tl.store(scale_ptr, scale, mask=head_mask)
     x = _round_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
     tl.store(cache + offs_h[:, None] * stride_h + offs_d[None, :] * stride_d,
@@ -156,7 +225,8 @@ def _rope_store_kernel(
     HAS_NORM: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr = False, PDL: tl.constexpr = False,
+    V_T: tl.constexpr = False, K_PLANE: tl.constexpr = False,
+    RUN_STORE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     # program (token, 0) rotates the token's q heads; (token, 1) its k heads, then stores the
@@ -175,7 +245,8 @@ def _rope_store_kernel(
             stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
             stride_kcb, stride_kcs, stride_kch, stride_kcd,
             stride_vcb, stride_vcs, stride_vch, stride_vcd,
-            NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T,
+            NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, K_PLANE,
+            RUN_STORE,
         )
 
 
@@ -226,10 +297,11 @@ def store_kv(
 
 def _store_consts(k: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict:
     _, num_heads, head_dim = k.shape
+    flags = _fp8_flags(k_cache, v_cache, head_dim)
     return dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                 BLOCK_H=triton.next_power_of_2(num_heads),
                 BLOCK_D=triton.next_power_of_2(head_dim),
-                **_fp8_flags(k_cache, v_cache, head_dim))
+                RUN_STORE=RUN_STORES and flags["FP8"] and flags["V_T"], **flags)
 
 
 def _fp8_flags(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
@@ -237,12 +309,16 @@ def _fp8_flags(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
     """The cache format's kernel flags. A cache of bytes holds float8 e4m3
     (kv_cache_dtype="fp8"); one wider than head_dim holds each token-head's float32 scale
     after its values (torch_attention's format); V_T: the V cache is stored transposed
-    within each block (worker/kv_cache.py). With the attention's query `q`: FP8_ASM,
+    within each block (worker/kv_cache.py); K_PLANE: the K cache keeps each block-head's scales in a
+    plane after its values (torch_attention.k_scale_plane; only beside a transposed V, whose
+    kernels read K by blocks). With the attention's query `q`: FP8_ASM,
     whether the tiles are converted by PTX into float16 and the dots run in float16 (a
     bf16/fp16 query on a GPU; see _load_kv_tile)."""
     fp8 = k_cache.dtype == torch.uint8
     flags = dict(FP8=fp8, SCALED=fp8 and k_cache.shape[-1] > head_dim,
-                 V_T=v_transposed(v_cache))
+                 V_T=v_transposed(v_cache), K_PLANE=k_scale_plane(k_cache))
+    if flags["K_PLANE"] and not flags["V_T"]:
+        raise ValueError("a K cache with a scale plane needs a V cache stored transposed")
     if q is not None:
         flags["FP8_ASM"] = fp8 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     return flags

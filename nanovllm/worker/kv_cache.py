@@ -15,7 +15,7 @@ from torch import nn
 
 from nanovllm.core.config import ResolvedConfig
 from nanovllm.core.errors import ConfigError
-from nanovllm.kernels.torch_attention import fp8_width
+from nanovllm.kernels.torch_attention import fp8_width, scale_plane_view
 from nanovllm.model.config import ModelConfig
 
 log = logging.getLogger("nanovllm")
@@ -29,6 +29,13 @@ FP8_V_TRANSPOSED = True
 # fp8 decode ran 1.02-1.04x faster over it (benchmarks/attention.py --kv-layouts), the seed
 # workload (its store included) 1.01x (scripts/gpu_plan.sh klayout; BENCHMARKS.md)
 FP8_K_HEAD_MAJOR = True
+# an fp8 K cache, head-major, with each block-head's float32 scales in a plane after its
+# values ([block_size, head_dim] value bytes, then [block_size] scales) instead of after each
+# row: a decode tile then reads 132 bytes a position instead of the padded row's 144, K and V
+# 264 instead of 276 (kernels/torch_attention.py k_scale_plane). The decode attention ran
+# 1.06x faster over it, the seed workload 1.03x in three rounds, 1.045x with the prefill's
+# run stores (triton_kv_store.RUN_STORES; scripts/gpu_plan.sh layouts; BENCHMARKS.md)
+FP8_K_SCALE_PLANE = True
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,7 @@ class KVCache:
         shape = (2, model.num_hidden_layers, num_blocks, block_size, model.num_key_value_heads,
                  fmt.width)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.head_dim = model.head_dim
         # an fp8 V cache is stored transposed within each block (see bind)
         self.v_transposed = (FP8_V_TRANSPOSED and dtype == torch.uint8 and block_size >= 16
                              and block_size & (block_size - 1) == 0)
@@ -129,13 +137,16 @@ class KVCache:
         the other way reach the tensor cores only one byte per load or through a second
         trip through shared memory (kernels/triton_attention.py). With FP8_K_HEAD_MAJOR an fp8
         K cache is head-major within each block too ([heads, block_size, width]; its view
-        keeps the [blocks, block_size, Hkv, width] shape). The block keeps its bytes and
-        place, so the host tier copies it as any other."""
+        keeps the [blocks, block_size, Hkv, width] shape), and with FP8_K_SCALE_PLANE its
+        scales in a plane after the values (torch_attention.k_scale_plane). The block keeps
+        its bytes and place, so the host tier copies it as any other."""
         for i, attn in enumerate(model.attention_layers()):
             k = self.tensor[0, i]
             if self.v_transposed and FP8_K_HEAD_MAJOR:
                 nb, bs, heads, width = k.shape
                 k = k.view(nb, heads, bs, width).permute(0, 2, 1, 3)
+                if FP8_K_SCALE_PLANE and width >= self.head_dim + 4:
+                    k = scale_plane_view(k, self.head_dim)
             attn.k_cache = k
             v = self.tensor[1, i]
             if self.v_transposed:

@@ -13,7 +13,7 @@ from nanovllm import LLM, ConfigError, SamplingParams
 from nanovllm.kernels import torch_attention as ta
 from nanovllm.kernels.attention_metadata import AttentionMetadata
 from nanovllm.worker import kv_cache
-from tests.support import engine_logprobs, make_prompts
+from tests.support import engine_logprobs, make_prompts, triton_module
 
 D = 32
 
@@ -133,23 +133,36 @@ def test_fp8_settings_say_what_to_change(tiny_llama):
         LLM(str(tiny_llama), device="cpu", kv_cache_scales="head")
 
 
-@pytest.mark.parametrize("k_head_major", [False, True], ids=["k-by-position", "k-by-head"])
+@pytest.mark.parametrize("k_head_major, k_plane, run_stores",
+                         [(False, False, False), (True, False, False), (True, True, False),
+                          (True, False, True), (True, True, True)],
+                         ids=["k-by-position", "k-by-head", "k-scale-plane", "run-stores",
+                              "k-scale-plane-run-stores"])
 def test_triton_engine_on_fp8_equals_the_torch_one(tiny_llama, triton_device, k_head_major,
-                                                   monkeypatch):
+                                                   k_plane, run_stores, monkeypatch):
     """The whole engine with the Triton kernels (on a CPU in Triton's interpreter) on an fp8
     cache: the bytes the reference stores, the attention it computes, so the same tokens;
-    with K's blocks laid out either way (kv_cache.FP8_K_HEAD_MAJOR), as every kernel and the
-    reference index the cache by its strides."""
+    with K's blocks laid out each way (kv_cache.FP8_K_HEAD_MAJOR, FP8_K_SCALE_PLANE), as
+    every kernel and the reference index the cache by its strides, and a prefill's V stored
+    token by token or by runs (triton_kv_store.RUN_STORES)."""
     monkeypatch.setattr(kv_cache, "FP8_K_HEAD_MAJOR", k_head_major)
+    monkeypatch.setattr(kv_cache, "FP8_K_SCALE_PLANE", k_plane)
+    monkeypatch.setattr(triton_module("nanovllm.kernels.triton_kv_store"), "RUN_STORES",
+                        run_stores)
     prompts = make_prompts(seed=4, count=4, shared_prefix=8)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(tiny_llama), device=triton_device, dtype="float32", enforce_eager=True,
-                  kv_cache_dtype="fp8", num_kv_blocks=64, block_size=16,
+                  kv_cache_dtype="fp8", num_kv_blocks=64,
+                  block_size=32 if run_stores else 16,
                   attention_backend=backend)
         k = llm.engine.runner.model.attention_layers()[0].k_cache
-        assert (k.stride(1) == k.shape[-1]) == k_head_major  # positions adjacent: head-major
+        # positions adjacent: head-major; a position's values only: a scale plane
+        head_dim = llm.engine.model_config.head_dim
+        assert k.stride(1) == (head_dim if k_plane else k.shape[-1] if k_head_major
+                               else k.shape[-1] * k.shape[2])
+        assert ta.k_scale_plane(k) == k_plane
         outs[backend] = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(outs["torch"], outs["triton"]):
         assert a.token_ids == b.token_ids

@@ -81,7 +81,8 @@ def _signature(fn, args, kwargs):
     return sig, consts, attrs, options
 
 
-def record(kv_cache_dtype: str, scales: str) -> list:
+def record(kv_cache_dtype: str, scales: str, k_plane: bool = False,
+           run_stores: bool = False) -> list:
     import importlib
 
     from nanovllm.kernels.attention_metadata import AttentionMetadata
@@ -92,6 +93,7 @@ def record(kv_cache_dtype: str, scales: str) -> list:
     ts = importlib.reload(importlib.import_module("nanovllm.kernels.triton_kv_store"))
     tb = importlib.reload(importlib.import_module("nanovllm.kernels.triton_attention"))
     fd = importlib.reload(importlib.import_module("nanovllm.kernels.triton_fp8_decode"))
+    ts.RUN_STORES = run_stores
     fmt = KVFormat.of(kv_cache_dtype, scales, torch.bfloat16, D)
     calls = []
     for module, name in ((ts, "_store_kv_kernel"), (ts, "_rope_store_kernel"),
@@ -106,6 +108,11 @@ def record(kv_cache_dtype: str, scales: str) -> list:
     cache = [torch.zeros(blocks, BS, HKV, fmt.width, dtype=fmt.dtype) for _ in range(2)]
     if fmt.dtype == torch.uint8:  # an fp8 V cache is stored transposed (KVCache.bind)
         cache[1] = cache[1].view(blocks, HKV, fmt.width, BS).permute(0, 3, 1, 2)
+    if k_plane:  # K head-major, its scales in a plane (kv_cache.FP8_K_SCALE_PLANE)
+        from nanovllm.kernels.torch_attention import scale_plane_view
+
+        heads = cache[0].view(blocks, HKV, BS, fmt.width).permute(0, 2, 1, 3)
+        cache[0] = scale_plane_view(heads, D)
     q = torch.zeros(tokens, HQ, D, dtype=torch.bfloat16)
     kv = torch.zeros(tokens, HKV, D, dtype=torch.bfloat16)
     starts = [0]
@@ -251,6 +258,11 @@ def main() -> None:
         return
     launches = [(case, call) for case, (kv_dtype, scales) in CASES.items()
                 for call in record(kv_dtype, scales)]
+    if "--run-stores" in sys.argv[1:]:  # and the stores writing complete runs at once
+        launches += [("fp8-run-stores", call) for call in record("fp8", "token", run_stores=True)
+                     if call[0].__name__ in ("_store_kv_kernel", "_rope_store_kernel")]
+    if "--k-plane" in sys.argv[1:]:  # and over a K cache with its scales in a plane
+        launches += [("fp8-k-plane", call) for call in record("fp8", "token", k_plane=True)]
     launches += [("sampler", call) for call in record_sampler()]
     launches += [("split-k", call) for call in record_split_k()]
     if "--pdl" in sys.argv[1:]:  # each kernel as programmatic dependent launch has it
@@ -275,6 +287,7 @@ def main() -> None:
             ops = r"(?:ld\.global|ld\.shared|cp\.async\.c[ag])[.\w]*"
             out["loads"] = Counter(re.findall(ops, ptx))
             out["stores"] = len(re.findall(r"st\.shared[.\w]*", ptx))
+            out["global_stores"] = Counter(re.findall(r"st\.global[.\w]*", ptx))
             # the instructions the sampler's noise costs (Philox rounds, logarithms)
             out["ops"] = {op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))
                           for op in ("mul.hi.u32", "lg2.approx.f32", "cvt.rn.f16x2.e4m3x2",

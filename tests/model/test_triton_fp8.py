@@ -206,3 +206,108 @@ def test_store_kv_writes_finite_bytes_only(triton_device, scaled):
             assert torch.isfinite(values).all()
             assert values[0, 0, 0, :5].eq(0).all() and values[0, 2].eq(0).all()
     assert torch.equal(caches["torch"][0], caches["triton"][0]) or triton_device != "cpu"
+
+
+def scale_plane(k8: torch.Tensor, d: int) -> torch.Tensor:
+    """The same logical K cache stored as an engine with kv_cache.FP8_K_SCALE_PLANE stores it:
+    each block-head's [block_size, d] value bytes, then its [block_size] float32 scales."""
+    heads = torch.zeros_like(k8).permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    plane = ta.scale_plane_view(heads, d)
+    assert ta.k_scale_plane(plane) and not ta.k_scale_plane(heads)
+    values, scales = ta.scale_plane_parts(plane)
+    values.copy_(k8[..., :d])
+    scales.copy_(k8[..., d:d + 4])
+    return plane
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_attention_over_a_k_scale_plane(triton_device, case):
+    """K's scales in a plane after each block-head's values, beside a transposed V: the
+    Triton kernels (prefill, prefix hits, decode with and without splits, mixed) and the
+    torch reference over it both give the attention of the row-major caches."""
+    c, k8, v8, attend = fp8_case(case, True, triton_device)
+    d = c.q.shape[-1]
+    v8 = finite_unread(v8, d, True)
+    k8 = finite_unread(k8, d, True)
+    kp, vt = scale_plane(k8, d), transposed(v8)
+    kd, vd = (ta.dequantize_fp8(x, d, torch.float32) for x in (k8, v8))
+    want = reference(c.q, kd, vd, c.meta, c.scale)
+    check_close(attend(kp, vt), want, torch.float32, case[0])
+    torch_got = ta.paged_attention(c.q, kp, vt, c.meta, c.scale)
+    torch.testing.assert_close(torch_got, ta.paged_attention(c.q, k8, v8, c.meta, c.scale),
+                               rtol=0, atol=0)
+
+
+def test_store_kv_into_a_k_scale_plane(triton_device):
+    """Both backends' stores into a scale-plane K (and a transposed V) leave the logical
+    bytes their stores into row-major caches leave, and nothing past a block-head's values
+    and plane is written."""
+    blocks, bs, heads, dim = 8, 16, 2, 64
+    k, v, slots, want_k, want_v = reference_store(4, bs, blocks)
+    width = want_k.shape[-1]
+    for backend, dev in ((ta, "cpu"), (tb, triton_device)):
+        kp = scale_plane(torch.zeros_like(want_k, device=dev), dim)
+        vt = transposed(torch.zeros_like(want_v, device=dev))
+        backend.store_kv(k.to(dev), v.to(dev), kp, vt, slots.to(dev))
+        got_k = ta._blocks(kp, torch.arange(blocks, device=dev)).cpu()
+        assert_same_bytes(got_k, want_k, dev, backend.__name__)
+        # the 8 bytes a position past the plane stay as they were: zero
+        flat = kp.as_strided((blocks, heads, bs * width), (heads * bs * width, bs * width, 1))
+        assert not flat[..., bs * (dim + 4):].cpu().any(), backend.__name__
+
+
+def reference_store(seed: int, bs: int, blocks: int, tokens: int = 40, heads: int = 2,
+                    dim: int = 64):
+    """K/V of `tokens` tokens (K's magnitudes spread over 4 decades), their slots (every 7th
+    skipped) and the row-major caches the torch reference's store leaves."""
+    torch.manual_seed(seed)
+    width = ta.fp8_width(dim, True)
+    k = torch.randn(tokens, heads, dim) * torch.logspace(-2, 2, tokens)[:, None, None]
+    v = torch.randn(tokens, heads, dim)
+    slots = torch.randperm(blocks * bs)[:tokens]
+    slots[::7] = -1
+    want_k = torch.zeros(blocks, bs, heads, width, dtype=torch.uint8)
+    want_v = torch.zeros_like(want_k)
+    ta.store_kv(k, v, want_k, want_v, slots)
+    return k, v, slots, want_k, want_v
+
+
+def assert_same_bytes(got: torch.Tensor, want: torch.Tensor, dev: str, what: str) -> None:
+    if dev == "cpu":
+        assert torch.equal(got, want), what
+    else:  # a GPU's division may round the last bit of a few quotients differently
+        dim = want.shape[-1] - 16
+        a, b = (ta.dequantize_fp8(x, dim, torch.float32) for x in (got, want))
+        torch.testing.assert_close(a, b, rtol=0.13, atol=1e-6)
+
+
+@pytest.mark.parametrize("k_plane", [False, True], ids=["k-rows", "k-scale-plane"])
+def test_run_stores_write_the_reference_bytes(triton_device, k_plane, monkeypatch):
+    """With triton_kv_store.RUN_STORES a prefill chunk's complete runs of 16 slots are
+    written by their first token's program, 16 bytes a row: the same bytes as token by
+    token, beside partial runs, skipped tokens, a chunk starting mid-run and decode
+    tokens; K's rows or scale plane as the store without runs writes them."""
+    ts = triton_module("nanovllm.kernels.triton_kv_store")
+    monkeypatch.setattr(ts, "RUN_STORES", True)
+    heads, dim, bs, blocks = 2, 64, 32, 8
+    # a prompt of 37 from slot 0, one of 40 from slot 5 of block 3, two decode tokens, and
+    # a padding token (slot -1) between them
+    slots = ([*range(37)] + [-1] + [*range(3 * bs + 5, 3 * bs + 45)]
+             + [6 * bs + 9, 7 * bs + 31])
+    slots = torch.tensor(slots)
+    torch.manual_seed(6)
+    k = torch.randn(len(slots), heads, dim) * torch.logspace(-2, 2, len(slots))[:, None, None]
+    v = torch.randn(len(slots), heads, dim) * torch.logspace(2, -2, len(slots))[:, None, None]
+    width = ta.fp8_width(dim, True)
+    want_k = torch.zeros(blocks, bs, heads, width, dtype=torch.uint8)
+    want_v = torch.zeros_like(want_k)
+    ta.store_kv(k, v, want_k, want_v, slots)
+    dev = triton_device
+    vt = transposed(torch.zeros_like(want_v, device=dev))
+    got_k = torch.zeros_like(want_k, device=dev)
+    if k_plane:
+        got_k = scale_plane(got_k, dim)
+    ts.store_kv(k.to(dev), v.to(dev), got_k, vt, slots.to(dev))
+    every = torch.arange(blocks, device=dev)
+    assert_same_bytes(ta._blocks(vt, every).cpu(), want_v, dev, "V")
+    assert_same_bytes(ta._blocks(got_k, every).cpu(), want_k, dev, "K")

@@ -128,3 +128,16 @@ def test_decode_fp8_refuses_other_caches(triton_device):
     c16 = Case(ROWS, 4, 2, 32, 16, triton_device)
     with pytest.raises(ValueError, match="fp8 cache"):
         fd.decode_fp8(c16.q, c16.k_cache, c16.v_cache, c16.meta, c16.scale)
+
+
+def test_decode_fp8_over_a_k_scale_plane(triton_device):
+    """K's scales in a plane after each block-head's values (kv_cache.FP8_K_SCALE_PLANE):
+    the same output as over K's padded rows."""
+    from tests.model.test_triton_fp8 import scale_plane
+
+    c, k8, v8 = fp8_batch(triton_device, True)
+    rows = fd.decode_fp8(c.q, k8, v8, c.meta, c.scale, num_splits=2)
+    plane = fd.decode_fp8(c.q, scale_plane(k8, c.q.shape[-1]), v8, c.meta, c.scale,
+                          num_splits=2)
+    torch.testing.assert_close(plane, rows, rtol=0, atol=0)
+
