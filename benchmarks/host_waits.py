@@ -1,6 +1,7 @@
 """Where a GPU run makes the host wait: the CUDA caching allocator's mallocs, frees and
-retries, and the Python lines torch's sync debug mode flags (benchmarks/offline.py
---sync-debug). Both are empty off CUDA."""
+retries (and with benchmarks/offline.py --malloc-trace the lines that made each malloc),
+and the Python lines torch's sync debug mode flags (--sync-debug). All are empty off
+CUDA."""
 
 import collections
 import contextlib
@@ -42,6 +43,36 @@ def sync_watch(on: bool):
             torch.cuda.set_sync_debug_mode("default")
     for w in caught:
         found[f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:80]}"] += 1
+
+
+@contextlib.contextmanager
+def malloc_watch(on: bool):
+    """With `on` and a GPU: torch's allocator history for the block, yielding a Counter of
+    where its device mallocs (the caching allocator's new segments: a cudaMalloc each, host
+    time in the step that needs it) were made, by the innermost engine frame and the
+    segment's size; an empty Counter otherwise. Only a diagnostic: recording each
+    allocation's Python stack slows the run."""
+    found: collections.Counter = collections.Counter()
+    if not (on and torch.cuda.is_available()):
+        yield found
+        return
+    record = torch.cuda.memory._record_memory_history
+    record(enabled="all", context="all", stacks="python", max_entries=500_000)
+    try:
+        yield found
+    finally:
+        snapshot = torch.cuda.memory._snapshot()
+        record(enabled=None)
+        for traces in snapshot.get("device_traces", []):
+            for event in traces:
+                if event.get("action") != "segment_alloc":
+                    continue
+                frames = [f for f in event.get("frames") or []
+                          if "/nanovllm/" in f.get("filename", "")
+                          and "/benchmarks/" not in f.get("filename", "")]
+                where = (f"{frames[0]['filename'].rsplit('/nanovllm/', 1)[-1]}:"
+                         f"{frames[0]['line']} {frames[0]['name']}" if frames else "?")
+                found[f"{where} ({event.get('size', 0) / 2**20:,.1f} MiB)"] += 1
 
 
 @contextlib.contextmanager

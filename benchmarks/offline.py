@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.host_waits import allocator_counts, run_diagnostics, sync_watch
+from benchmarks.host_waits import allocator_counts, malloc_watch, run_diagnostics, sync_watch
 from benchmarks.offline_report import print_table
 from benchmarks.random_model import QWEN3_RANDOM_DIR, build_random_model
 from benchmarks.speed_of_light import ModelShape, measure_device, sol_times, workload_cost
@@ -82,7 +82,8 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     alloc0 = allocator_counts()
     tracked = len(gc.get_objects())
     start = time.perf_counter()
-    with sync_watch(args.sync_debug) as syncs, run_diagnostics() as diagnostics:
+    with (sync_watch(args.sync_debug) as syncs, malloc_watch(args.malloc_trace) as mallocs,
+          run_diagnostics() as diagnostics):
         outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     alloc = {k: v - alloc0[k] for k, v in allocator_counts().items()}
@@ -105,6 +106,7 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         "step_timing_s": {k: v - timing0.get(k, 0.0) for k, v in engine.timing.items()},
         "allocator": alloc,  # during the timed run (allocator_counts)
         "syncs": dict(syncs.most_common(12)),  # --sync-debug
+        "mallocs": dict(mallocs.most_common(12)),  # --malloc-trace
         # the Triton variants the warm-up left, collections, CPU seconds and page faults
         **diagnostics,
     }
@@ -346,6 +348,9 @@ def main() -> None:
     ap.add_argument("--sync-debug", action="store_true",
                     help="a diagnostic run: list the lines where the first timed run made the "
                     "host wait for the GPU (torch's sync debug mode; slower)")
+    ap.add_argument("--malloc-trace", action="store_true",
+                    help="a diagnostic run: list where the first timed run's device mallocs "
+                    "were made (torch's allocator history; slower)")
     ap.add_argument("--out", help="write every figure to this JSON file")
     ap.add_argument(
         "--quick",

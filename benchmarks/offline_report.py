@@ -115,6 +115,8 @@ def print_table(
                        if "tracked_at_start" in pauses else ""))
         for where, n in (ours.get("syncs") or {}).items():  # --sync-debug
             notes.append(f"nano-vLLM host waited on the GPU {n}x at {where}")
+        for where, n in (ours.get("mallocs") or {}).items():  # --malloc-trace
+            notes.append(f"nano-vLLM run 1 made {n} device malloc(s) at {where}")
         for i, rep in enumerate(ours.get("repeats") or [], start=2):
             notes.append(
                 f"nano-vLLM run {i} (overlap {'on' if rep['overlap'] else 'off'}): "

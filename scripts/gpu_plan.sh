@@ -81,6 +81,9 @@
 #                                     # alternating, ROUNDS (2), after a warm-up run
 #                                     # (SKIP_TESTS=1, SKIP_KERNELS=1 skip parts; PROFILE=1
 #                                     # adds a decode step's kernels under each K layout)
+#   bash scripts/gpu_plan.sh mallocs  # where the seed workload's first timed run makes its
+#                                     # device mallocs (offline.py --malloc-trace, fp8; that run
+#                                     # is ~1% slower than a second one, and makes six)
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -90,7 +93,7 @@
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, firstrun, pdl, fresh, layouts, tiles, syncs or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, firstrun, pdl, fresh, layouts, tiles, mallocs, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -345,6 +348,9 @@ case "$stage" in
         done
       done
     done ;;
+  mallocs)
+    timeout 150 python3 -m benchmarks.offline --no-peer --malloc-trace --kv-cache-dtype fp8 \
+      --repeat 2 2>&1 | grep -E "^nano-vLLM" | tee "$OUT/mallocs.log" ;;
   syncs)
     for dtype in auto fp8; do
       timeout 120 python3 -m benchmarks.offline --no-peer --sync-debug --kv-cache-dtype $dtype \
