@@ -12,7 +12,9 @@ Prints one JSON object per compiled launch: kernel, case, the PTX's loads by kin
 its count of shared-memory stores, the shared memory it needs and, from the cubin (through
 the cuobjdump Triton ships), its registers a thread and bytes spilled to local memory.
 `--decode-tiles` instead compiles the decode kernels at the tiles benchmarks/attention.py
---decode-buffers times, and says how many buffers each tile's K/V loads got.
+--decode-buffers times, and says how many buffers each tile's K/V loads got. `--dump DIR`
+also writes each compiled launch's PTX, TTGIR (its loads' thread layouts) and cubin (SASS
+through `cuobjdump -sass`) into DIR, numbered in launch order.
 """
 
 import inspect
@@ -256,6 +258,9 @@ def main() -> None:
     if "--decode-tiles" in sys.argv[1:]:
         decode_tiles(compile, target)
         return
+    dump = sys.argv[sys.argv.index("--dump") + 1] if "--dump" in sys.argv[1:] else None
+    if dump:
+        os.makedirs(dump, exist_ok=True)
     launches = [(case, call) for case, (kv_dtype, scales) in CASES.items()
                 for call in record(kv_dtype, scales)]
     if "--run-stores" in sys.argv[1:]:  # and the stores writing complete runs at once
@@ -269,7 +274,7 @@ def main() -> None:
         for _, (fn, _, kwargs) in launches:
             if "PDL" in fn.arg_names:
                 kwargs.update(PDL=True, launch_pdl=True)
-    for case, (fn, args, kwargs) in launches:
+    for i, (case, (fn, args, kwargs)) in enumerate(launches):
         sig, consts, attrs, options = _signature(fn, args, dict(kwargs))
         out = {"kernel": fn.__name__, "case": case, "fp8_p": kwargs.get("FP8_P"),
                "fp8_mma": kwargs.get("FP8_MMA", fn.__name__ == "_decode_fp8_kernel")}
@@ -281,6 +286,11 @@ def main() -> None:
         try:
             compiled = compile(src, target=target, options=options)
             ptx = compiled.asm["ptx"]
+            if dump:
+                name = f"{dump}/{i:03d}-{case}-{fn.__name__}"
+                for ext, mode in (("ptx", "w"), ("ttgir", "w"), ("cubin", "wb")):
+                    with open(f"{name}.{ext}", mode) as f:
+                        f.write(compiled.asm[ext])
         except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
             out["error"] = f"{type(e).__name__}: {e}"[:2000]
         else:
