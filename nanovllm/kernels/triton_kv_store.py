@@ -127,27 +127,18 @@ def _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h,
                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  SCALED: tl.constexpr):
     # the V of RUN tokens from `lead` into a transposed cache at `run_at` (their first
-    # position): per head, each row's RUN bytes in one store, the bytes _store_fp8 writes
+    # position): per head, _store_fp8 with the run's positions as its rows, a byte apart, so
+    # each of a head's rows takes the run's RUN bytes in one store
     offs_t = tl.arange(0, RUN)
     offs_d = tl.arange(0, BLOCK_D)
     dim_ok = offs_d[None, :] < HEAD_DIM
     rows = (lead + offs_t).to(tl.int64)
     for h in tl.static_range(NUM_HEADS):
         x = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :] * stride_vd,
-                    mask=dim_ok, other=0.0).to(tl.float32)  # [RUN, D]
-        x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -3.4028234663852886e38),
-                       3.4028234663852886e38)
+                    mask=dim_ok, other=0.0)  # [RUN, D]
         head_at = run_at + h * stride_h
-        if SCALED:
-            scale = tl.maximum(tl.max(tl.abs(tl.where(dim_ok, x, 0.0)), 1), 1e-12) / FP8_MAX
-            x = x / scale[:, None]
-            bits = scale.to(tl.int32, bitcast=True)
-            for j in tl.static_range(4):
-                tl.store(head_at + (HEAD_DIM + j) * stride_d + offs_t,
-                         ((bits >> (8 * j)) & 0xFF).to(tl.uint8))
-        x = _round_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
-        tl.store(head_at + offs_d[None, :] * stride_d + offs_t[:, None],
-                 x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=dim_ok)
+        _store_fp8(head_at, head_at, x, dim_ok, offs_t < RUN, offs_t, offs_d, 1, stride_d,
+                   HEAD_DIM, SCALED, True)
 
 
 @triton.jit
