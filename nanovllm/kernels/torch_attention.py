@@ -98,10 +98,13 @@ def scale_plane_parts(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scales
 
 
-def _logical(values: torch.Tensor, scales: torch.Tensor, width: int) -> torch.Tensor:
-    # a scale-plane cache's rows as the reference's format: values, scale, zero padding
-    pad = values.new_zeros(*values.shape[:-1], width - values.shape[-1] - 4)
-    return torch.cat([values, scales, pad], -1)
+def _gather(cache: torch.Tensor, at) -> torch.Tensor:
+    """`cache[at]` in the reference's row format, through a scale plane's two views."""
+    if k_scale_plane(cache):
+        values, scales = (part[at] for part in scale_plane_parts(cache))
+        pad = values.new_zeros(*values.shape[:-1], cache.shape[-1] - values.shape[-1] - 4)
+        return torch.cat([values, scales, pad], -1)
+    return cache[at]
 
 
 def _rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -109,19 +112,12 @@ def _rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     if cache.is_contiguous():
         return cache.view(-1, *cache.shape[2:]).index_select(0, slots)
     block_size = cache.shape[1]
-    if k_scale_plane(cache):
-        values, scales = scale_plane_parts(cache)
-        at = (slots // block_size, slots % block_size)
-        return _logical(values[at], scales[at], cache.shape[-1])
-    return cache[slots // block_size, slots % block_size]
+    return _gather(cache, (slots // block_size, slots % block_size))
 
 
 def _blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """The cache's blocks at `tables` [..., n]: [..., n, block_size, Hkv, width]."""
-    if k_scale_plane(cache):
-        values, scales = scale_plane_parts(cache)
-        return _logical(values[tables], scales[tables], cache.shape[-1])
-    return cache[tables]
+    return _gather(cache, tables)
 
 
 def _write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:

@@ -300,9 +300,9 @@ def _fp8_flags(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
     """The cache format's kernel flags. A cache of bytes holds float8 e4m3
     (kv_cache_dtype="fp8"); one wider than head_dim holds each token-head's float32 scale
     after its values (torch_attention's format); V_T: the V cache is stored transposed
-    within each block (worker/kv_cache.py); K_PLANE: the K cache keeps each block-head's scales in a
-    plane after its values (torch_attention.k_scale_plane; only beside a transposed V, whose
-    kernels read K by blocks). With the attention's query `q`: FP8_ASM,
+    within each block (worker/kv_cache.py); K_PLANE: the K cache keeps each block-head's
+    scales in a plane after its values (torch_attention.k_scale_plane; only beside a
+    transposed V, whose kernels read K by blocks). With the attention's query `q`: FP8_ASM,
     whether the tiles are converted by PTX into float16 and the dots run in float16 (a
     bf16/fp16 query on a GPU; see _load_kv_tile)."""
     fp8 = k_cache.dtype == torch.uint8
