@@ -29,6 +29,7 @@ from functools import partial
 
 import torch
 
+from benchmarks.switches import add_switches, apply_switches
 from nanovllm.kernels.torch_attention import fp8_width
 
 FORMATS = ("bf16", "fp8 one scale", "fp8 token scales, V rows", "fp8 token scales, V_T")
@@ -70,16 +71,11 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true",
                     help="the L2 cache overwritten before each run (triton.testing.do_bench), "
                     "not a replayed graph")
-    ap.add_argument("--no-run-stores", action="store_true",
-                    help="a transposed V stored token by token, not its complete runs of 16 "
-                    "slots 16 bytes a row (triton_kv_store.RUN_STORES off; before 2026-12-02)")
+    add_switches(ap, "--no-run-stores")
     args = ap.parse_args()
     import triton
 
-    if args.no_run_stores:
-        from nanovllm.kernels import triton_kv_store
-
-        triton_kv_store.RUN_STORES = False
+    apply_switches(args)
 
     from benchmarks.speed_of_light import _copy_seconds
     from nanovllm.kernels.triton_kv_store import qk_norm_rope_store, store_kv

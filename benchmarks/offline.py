@@ -37,6 +37,7 @@ from benchmarks.host_waits import allocator_counts, malloc_watch, run_diagnostic
 from benchmarks.offline_report import print_table
 from benchmarks.random_model import QWEN3_RANDOM_DIR, build_random_model
 from benchmarks.speed_of_light import ModelShape, measure_device, sol_times, workload_cost
+from benchmarks.switches import add_switches, apply_switches
 from benchmarks.workloads import QWEN3_CONFIG, SEED_OUTPUT_TOKENS, seed_workload
 from nanovllm.kernels.torch_attention import fp8_width
 
@@ -148,37 +149,18 @@ def set_decode_tile(spec: str, fp8: bool) -> None:
 
 
 def set_engine_switches(args: argparse.Namespace) -> None:
-    """The A/B flags that set module switches (the attention's, its decode tiles, PDL, the
-    collector's freeze) for this run's engine."""
+    """The A/B flags that set module switches (benchmarks/switches.py) and the decode's
+    tiles for this run's engine."""
     from nanovllm.kernels import triton_attention as tb
 
+    apply_switches(args)
     fp8 = args.kv_cache_dtype == "fp8"
     if args.decode_tile:
         set_decode_tile(args.decode_tile, fp8)
     if args.decode_group_rows:
         set_decode_group_rows(args.decode_group_rows, fp8)
-    if args.read_whole_tiles:
-        tb.SKIP_PAST_END = False
-    if args.argsort_order:
-        tb.RANK_KERNEL = False
     if args.decode_programs_per_sm:
         tb.TARGET_PROGRAMS_PER_SM = args.decode_programs_per_sm
-    if args.gc_freeze:
-        from nanovllm.worker import model_runner
-
-        model_runner.FREEZE_GC_AFTER_SETUP = True
-    if args.no_k_scale_plane:
-        from nanovllm.worker import kv_cache
-
-        kv_cache.FP8_K_SCALE_PLANE = False
-    if args.no_run_stores:
-        from nanovllm.kernels import triton_kv_store
-
-        triton_kv_store.RUN_STORES = False
-    if args.no_pdl:
-        from nanovllm.kernels import triton_pdl
-
-        triton_pdl.PDL = False
 
 
 def set_decode_group_rows(rows: int, fp8: bool) -> None:
@@ -322,29 +304,10 @@ def main() -> None:
     ap.add_argument("--decode-group-rows", type=int, metavar="N",
                     help="the decode's dots over N rows (or the GQA group's, if more) "
                     "instead of the group's only (16: before 2026-12-01)")
-    ap.add_argument("--read-whole-tiles", action="store_true",
-                    help="an fp8 cache's attention reads each row's last tile whole, past the "
-                    "context's end (triton_attention.SKIP_PAST_END off; before 2026-12-01)")
     ap.add_argument("--decode-programs-per-sm", type=int, metavar="N",
                     help="the decode's KV splits aim at N programs an SM (default: the "
                     "engine's, triton_attention.TARGET_PROGRAMS_PER_SM)")
-    ap.add_argument("--no-k-scale-plane", action="store_true",
-                    help="an fp8 K cache's scales after each row, padded to 144 bytes, not in "
-                    "a plane after each block-head's values (kv_cache.FP8_K_SCALE_PLANE off; "
-                    "before 2026-12-02)")
-    ap.add_argument("--no-run-stores", action="store_true",
-                    help="a transposed fp8 V stored token by token, not a prefill chunk's "
-                    "complete runs of 16 slots 16 bytes a row (triton_kv_store.RUN_STORES "
-                    "off; before 2026-12-02)")
-    ap.add_argument("--no-pdl", action="store_true",
-                    help="the step's Triton kernels as plain launches, not programmatic "
-                    "dependent ones (kernels/triton_pdl.py PDL off; before 2026-12-02)")
-    ap.add_argument("--argsort-order", action="store_true",
-                    help="the decode's longest-first order by torch's sort, not the ranking "
-                    "kernel (triton_attention.RANK_KERNEL off; before 2026-12-01)")
-    ap.add_argument("--gc-freeze", action="store_true",
-                    help="collect and freeze Python's garbage collector after start-up "
-                    "(model_runner.FREEZE_GC_AFTER_SETUP)")
+    add_switches(ap)
     ap.add_argument("--sync-debug", action="store_true",
                     help="a diagnostic run: list the lines where the first timed run made the "
                     "host wait for the GPU (torch's sync debug mode; slower)")

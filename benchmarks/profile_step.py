@@ -21,6 +21,7 @@ import warnings
 import torch
 
 from benchmarks.random_model import qwen3_random_model
+from benchmarks.switches import add_switches, apply_switches
 
 
 def main() -> None:
@@ -32,15 +33,11 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--prefill", action="store_true", help="profile the prefill steps")
     ap.add_argument("--fp8-attention", choices=["off", "q", "qp"], default="off")
-    ap.add_argument("--no-k-scale-plane", action="store_true",
-                    help="an fp8 K cache's scales after each padded row, not in a plane "
-                    "(kv_cache.FP8_K_SCALE_PLANE off)")
+    add_switches(ap, "--no-k-scale-plane")
     args = ap.parse_args()
 
     from nanovllm import LLM, SamplingParams
-    from nanovllm.worker import kv_cache
-
-    kv_cache.FP8_K_SCALE_PLANE = not args.no_k_scale_plane
+    apply_switches(args)
 
     path = args.model or str(qwen3_random_model())
     llm = LLM(path, max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,

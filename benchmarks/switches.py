@@ -1,0 +1,48 @@
+"""The engine's module switches a benchmark flips for an A/B run, as command-line flags: each
+sets one module constant before the engine is built (the constant's own comment says what
+it does and what it measured). offline.py takes them all; profile_step.py and kv_store.py
+the ones their figures depend on."""
+
+import argparse
+import importlib
+
+# flag: (module, constant, the value the flag sets, help)
+SWITCHES = {
+    "--read-whole-tiles": (
+        "nanovllm.kernels.triton_attention", "SKIP_PAST_END", False,
+        "an fp8 cache's attention reads each row's last tile whole, past the context's end "
+        "(triton_attention.SKIP_PAST_END off; before 2026-12-01)"),
+    "--no-k-scale-plane": (
+        "nanovllm.worker.kv_cache", "FP8_K_SCALE_PLANE", False,
+        "an fp8 K cache's scales after each row, padded to 144 bytes, not in a plane after "
+        "each block-head's values (kv_cache.FP8_K_SCALE_PLANE off; before 2026-12-02)"),
+    "--no-run-stores": (
+        "nanovllm.kernels.triton_kv_store", "RUN_STORES", False,
+        "a transposed fp8 V stored token by token, not a prefill chunk's complete runs of 16 "
+        "slots 16 bytes a row (triton_kv_store.RUN_STORES off; before 2026-12-02)"),
+    "--no-pdl": (
+        "nanovllm.kernels.triton_pdl", "PDL", False,
+        "the step's Triton kernels as plain launches, not programmatic dependent ones "
+        "(kernels/triton_pdl.py PDL off; before 2026-12-02)"),
+    "--argsort-order": (
+        "nanovllm.kernels.triton_attention", "RANK_KERNEL", False,
+        "the decode's longest-first order by torch's sort, not the ranking kernel "
+        "(triton_attention.RANK_KERNEL off; before 2026-12-01)"),
+    "--gc-freeze": (
+        "nanovllm.worker.model_runner", "FREEZE_GC_AFTER_SETUP", True,
+        "collect and freeze Python's garbage collector after start-up "
+        "(model_runner.FREEZE_GC_AFTER_SETUP)"),
+}
+
+
+def add_switches(ap: argparse.ArgumentParser, *flags: str) -> None:
+    """Add `flags` (default: every switch) to `ap`."""
+    for flag in flags or SWITCHES:
+        ap.add_argument(flag, action="store_true", help=SWITCHES[flag][3])
+
+
+def apply_switches(args: argparse.Namespace) -> None:
+    """Set the constant of each switch given on the command line."""
+    for flag, (module, name, value, _) in SWITCHES.items():
+        if getattr(args, flag[2:].replace("-", "_"), False):
+            setattr(importlib.import_module(module), name, value)
