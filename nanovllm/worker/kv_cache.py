@@ -84,9 +84,10 @@ def plan_num_blocks(
         budget = config.kv_cache_gib * 2**30
     elif device.type == "cuda":
         peak = activation_peak()
-        # the allocator keeps the profiling pass's memory cached (not emptied), so the first
-        # large step of real work finds it there instead of calling cudaMalloc; that cached
-        # pool counts as free here, the peak is set aside once
+        # the profiling pass's memory stays in torch's cache (counted as free here, the peak
+        # set aside once) until CUDA graph capture empties that cache; the first full step
+        # then makes its cudaMallocs again (six in the seed workload: no measurable cost,
+        # BENCHMARKS.md, twelfth H200 session)
         free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         budget = free + cached - total * (1 - config.gpu_memory_utilization) - peak
