@@ -125,7 +125,7 @@ def test_a_ctrl_c_python_drops_while_loading_still_stops(capsys, monkeypatch):
     callback, as CI twice caught while the model loaded) is dropped by Python, which prints
     it with a traceback; loading raises it again once done, so the command stops instead of
     running to its end, and prints nothing."""
-    from nanovllm.entrypoints.cli.loading import _ctrl_c_kept
+    from nanovllm.entrypoints.ctrl_c import ctrl_c_kept
 
     class Dropper:
         def __del__(self):
@@ -134,6 +134,6 @@ def test_a_ctrl_c_python_drops_while_loading_still_stops(capsys, monkeypatch):
 
     # Python's own hook, which prints what it drops (pytest's would turn it into a warning)
     monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
-    with pytest.raises(KeyboardInterrupt), _ctrl_c_kept():
+    with pytest.raises(KeyboardInterrupt), ctrl_c_kept():
         Dropper()  # made and collected at once
     assert "Traceback" not in capsys.readouterr().err

@@ -3,6 +3,10 @@
 import os
 import signal
 import socket
+import sys
+import time
+
+import pytest
 
 from tests.cli.process import finish, read_until, start_cli
 
@@ -28,6 +32,45 @@ def test_ctrl_c_stops_the_server(tiny_llama):
     status, _, err = finish(proc)
     assert status == 0 and "Traceback" not in err, err
     assert "Finished server process" in err
+
+
+def test_a_ctrl_c_python_drops_while_the_engine_starts_still_stops(tiny_llama, monkeypatch):
+    """A Ctrl-C whose KeyboardInterrupt lands in a finalizer while the engine process starts
+    (process start-up runs several; CI once saw the server start and serve after one) is
+    dropped by Python; the server raises it again once started, before serving, and stops
+    the engine process it started."""
+    from nanovllm.core.config import EngineConfig
+    from nanovllm.engine.messages import EngineProcessConfig
+    from nanovllm.entrypoints.openai import launch
+    from nanovllm.entrypoints.openai.replicas import ReplicaSet
+
+    class Dropper:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # the handler runs here, inside __del__: what it raises is dropped
+
+    started = []
+    real_start = ReplicaSet.start.__func__
+
+    def start(cls, *args, **kwargs):
+        started.append(real_start(cls, *args, **kwargs))
+        Dropper()  # made and collected at once, the engine process running
+        return started[-1]
+
+    class Serving:  # where uvicorn would serve: never reached once Ctrl-C was pressed
+        should_exit = False
+
+        def run(self, sockets=None):
+            raise AssertionError("the server went on to serve after a Ctrl-C")
+
+    monkeypatch.setattr(ReplicaSet, "start", classmethod(start))
+    monkeypatch.setattr(launch, "http_server", lambda *args: Serving())
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+    engine = EngineProcessConfig(str(tiny_llama), EngineConfig(device="cpu"))
+    server = launch.ServerSettings("127.0.0.1", _free_port())
+    with pytest.raises(KeyboardInterrupt):
+        launch.run_server(engine, server)
+    assert started and not started[0].clients[0].proc.is_alive()
 
 
 def test_api_server_count_defaults_to_two_on_a_gpu(monkeypatch):

@@ -13,6 +13,7 @@ from nanovllm.engine import stack_sampler
 from nanovllm.engine.engine_proc import freeze_heap
 from nanovllm.engine.messages import EngineProcessConfig
 from nanovllm.engine.tokenizer import load_tokenizer
+from nanovllm.entrypoints.ctrl_c import ctrl_c_kept
 from nanovllm.entrypoints.openai.app import build_app
 from nanovllm.entrypoints.openai.front_ends import (
     MULTIPROC_ENV,
@@ -73,44 +74,50 @@ def _serve(engine: EngineProcessConfig, server: ServerSettings,
     n = server.data_parallel_size
     log.info("starting the engine process%s (model %s)",
              f"es ({n}, data parallel)" if n > 1 else "", engine.model or "default")
-    client = ReplicaSet.start(engine, server.data_parallel_size, server.api_server_count)
+    client = None
     front_ends: list = []
     try:
-        config = server_config(server, engine, client)
-        log.info(
-            "serving %r (max_model_len %d) on http://%s:%d%s%s",
-            config.served_model_name,
-            client.info.max_model_len,
-            server.host,
-            server.port,
-            " (API key required)" if config.api_key else "",
-            f" with {server.api_server_count} front-end processes"
-            if server.api_server_count > 1 else "",
-        )
-        sockets = None
-        release(held)  # uvicorn (or listening_sockets) binds the port from here
-        if server.api_server_count > 1:  # a socket each on Linux, else one shared
-            sockets = listening_sockets(server.host, server.port, server.api_server_count)
-            front_ends = start_front_ends(engine, server, client, sockets[1:])
-            for sock in sockets[1:]:  # each front end has its own copy: none left here that
-                if sock is not sockets[0]:  # queues connections no one accepts
-                    sock.close()
-            sockets = sockets[:1]
-        # NANOVLLM_SAMPLE_STACKS: where time goes (the report is rewritten as it runs:
-        # uvicorn ends the process by re-raising SIGTERM, past any `finally`)
-        stack_sampler.from_env(".front")
-        http = http_server(build_app(client, tokenizer, config), server, front_ends)
-        died = stop_when_engines_die(client, http)
-        if front_ends:
-            watch_front_ends(front_ends, http, died)
-        freeze_heap()  # started: what is alive now stays (engine_proc.freeze_heap)
+        # start-up spawns processes and imports modules, whose finalizers and lock
+        # callbacks would drop a Ctrl-C
+        with ctrl_c_kept():
+            client = ReplicaSet.start(engine, server.data_parallel_size,
+                                      server.api_server_count)
+            config = server_config(server, engine, client)
+            log.info(
+                "serving %r (max_model_len %d) on http://%s:%d%s%s",
+                config.served_model_name,
+                client.info.max_model_len,
+                server.host,
+                server.port,
+                " (API key required)" if config.api_key else "",
+                f" with {server.api_server_count} front-end processes"
+                if server.api_server_count > 1 else "",
+            )
+            sockets = None
+            release(held)  # uvicorn (or listening_sockets) binds the port from here
+            if server.api_server_count > 1:  # a socket each on Linux, else one shared
+                sockets = listening_sockets(server.host, server.port, server.api_server_count)
+                front_ends = start_front_ends(engine, server, client, sockets[1:])
+                for sock in sockets[1:]:  # each front end has its own copy: none left here that
+                    if sock is not sockets[0]:  # queues connections no one accepts
+                        sock.close()
+                sockets = sockets[:1]
+            # NANOVLLM_SAMPLE_STACKS: where time goes (the report is rewritten as it runs:
+            # uvicorn ends the process by re-raising SIGTERM, past any `finally`)
+            stack_sampler.from_env(".front")
+            http = http_server(build_app(client, tokenizer, config), server, front_ends)
+            died = stop_when_engines_die(client, http)
+            if front_ends:
+                watch_front_ends(front_ends, http, died)
+            freeze_heap()  # started: what is alive now stays (engine_proc.freeze_heap)
         try:
             http.run(sockets=sockets)
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: a clean stop
             pass
     finally:
         stop_front_ends(front_ends)
-        client.shutdown()
+        if client is not None:
+            client.shutdown()
     if died:
         log.error("exiting with status 1: %s", died[0])
         return 1
