@@ -65,6 +65,7 @@ def test_a_ctrl_c_python_drops_while_the_engine_starts_still_stops(tiny_llama, m
 
     monkeypatch.setattr(ReplicaSet, "start", classmethod(start))
     monkeypatch.setattr(launch, "http_server", lambda *args: Serving())
+    monkeypatch.setattr(launch, "freeze_heap", lambda: None)  # pytest's heap: left as it is
     monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
     engine = EngineProcessConfig(str(tiny_llama), EngineConfig(device="cpu"))
     server = launch.ServerSettings("127.0.0.1", _free_port())
