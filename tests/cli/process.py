@@ -2,6 +2,7 @@
 
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -17,11 +18,12 @@ def run_cli(*args: str, input: str = "", timeout: float = 120) -> subprocess.Com
 
 def start_cli(*args: str, group: bool = False) -> subprocess.Popen:
     """Start the CLI with pipes for all three streams (bytes). `group`: in a process group
-    of its own, so that os.killpg reaches its children too, as a terminal's Ctrl-C does."""
+    of its own, so that os.killpg reaches its children too, as a terminal's Ctrl-C does.
+    With Python's fault handler on, so `finish` can have a stuck one print its stacks."""
     return subprocess.Popen(
         [sys.executable, "-m", "nanovllm", *args],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=group,
+        start_new_session=group, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )
 
 
@@ -42,6 +44,14 @@ def read_until(stream, text: bytes = b"", timeout: float = 60) -> bytes:
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
-    """Wait for `proc` to exit; its status and the rest of its stdout and stderr."""
-    out, err = proc.communicate(timeout=timeout)
+    """Wait for `proc` to exit; its status and the rest of its stdout and stderr. Still
+    running after `timeout` s: aborted (SIGABRT, on which the fault handler prints every
+    thread's stack), and the test fails with the end of its stderr, stacks included."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(f"still running after {timeout} s; the end of its stderr:\n"
+                             + err.decode(errors="replace")[-8000:]) from None
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
