@@ -10,9 +10,9 @@ from contextlib import contextmanager
 def ctrl_c_kept() -> Iterator[None]:
     """Ctrl-C raises KeyboardInterrupt as usual, and is remembered: one that lands in an
     import lock's callback or a finalizer (process start-up runs several) is printed as
-    "Exception ignored" with a traceback and dropped by Python, and the command went on to
-    its end (seen in CI: `generate` loading its model, `serve` starting its engine process).
-    Such a Ctrl-C is raised again once the block is done, and not printed."""
+    "Exception ignored" with a traceback and dropped by Python, and the command goes on to
+    its end (seen in CI while `generate` loaded its model). Such a Ctrl-C is raised again
+    once the block is done, and not printed."""
     pressed: list[bool] = []
 
     def on_sigint(signum, frame) -> None:

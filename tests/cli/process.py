@@ -55,3 +55,16 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
         raise AssertionError(f"still running after {timeout} s; the end of its stderr:\n"
                              + err.decode(errors="replace")[-8000:]) from None
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+def press_ctrl_c_in_a_finalizer() -> None:
+    """Send this process SIGINT from inside a finalizer, where the KeyboardInterrupt its
+    handler raises is dropped by Python (printed through sys.unraisablehook), as one that
+    lands in an import lock's callback or process start-up's finalizers is."""
+
+    class Dropper:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # the handler runs here, inside __del__: what it raises is dropped
+
+    Dropper()  # made and collected at once

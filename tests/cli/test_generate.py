@@ -7,12 +7,17 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from tokenizers import Tokenizer
 
-from tests.cli.process import finish, read_until, run_cli, start_cli
+from tests.cli.process import (
+    finish,
+    press_ctrl_c_in_a_finalizer,
+    read_until,
+    run_cli,
+    start_cli,
+)
 from tests.support import build_tiny_model
 
 
@@ -127,13 +132,8 @@ def test_a_ctrl_c_python_drops_while_loading_still_stops(capsys, monkeypatch):
     running to its end, and prints nothing."""
     from nanovllm.entrypoints.ctrl_c import ctrl_c_kept
 
-    class Dropper:
-        def __del__(self):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.2)  # the handler runs here, inside __del__: what it raises is dropped
-
     # Python's own hook, which prints what it drops (pytest's would turn it into a warning)
     monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
     with pytest.raises(KeyboardInterrupt), ctrl_c_kept():
-        Dropper()  # made and collected at once
+        press_ctrl_c_in_a_finalizer()
     assert "Traceback" not in capsys.readouterr().err
