@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_gaps import gpu_gaps
 from benchmarks.host_waits import allocator_counts, malloc_watch, run_diagnostics, sync_watch
 from benchmarks.offline_report import print_table
 from benchmarks.random_model import QWEN3_RANDOM_DIR, build_random_model
@@ -84,7 +85,7 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
     tracked = len(gc.get_objects())
     start = time.perf_counter()
     with (sync_watch(args.sync_debug) as syncs, malloc_watch(args.malloc_trace) as mallocs,
-          run_diagnostics() as diagnostics):
+          run_diagnostics() as diagnostics, gpu_gaps(args.gpu_gaps, engine.runner) as gaps):
         outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     alloc = {k: v - alloc0[k] for k, v in allocator_counts().items()}
@@ -108,6 +109,7 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
         "allocator": alloc,  # during the timed run (allocator_counts)
         "syncs": dict(syncs.most_common(12)),  # --sync-debug
         "mallocs": dict(mallocs.most_common(12)),  # --malloc-trace
+        "gpu_gaps": gaps,  # --gpu-gaps
         # the Triton variants the warm-up left, collections, CPU seconds and page faults
         **diagnostics,
     }
@@ -314,6 +316,9 @@ def main() -> None:
     ap.add_argument("--malloc-trace", action="store_true",
                     help="a diagnostic run: list where the first timed run's device mallocs "
                     "were made (torch's allocator history; slower)")
+    ap.add_argument("--gpu-gaps", action="store_true",
+                    help="a diagnostic run: the device's idle time between the first timed "
+                    "run's steps, by kind of step (benchmarks/gpu_gaps.py)")
     ap.add_argument("--out", help="write every figure to this JSON file")
     ap.add_argument(
         "--quick",
@@ -408,6 +413,10 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     print_table(report, cost, sol, sol_tput, rates)
+    for kind, row in (ours.get("gpu_gaps") or {}).items():
+        print(f"gaps {kind:>17}: {row['steps']:5d} steps, device {row['device_s']:6.3f} s, "
+              f"idle before {row['idle_before_s']:6.3f} s, host between launches "
+              f"{row['host_between_launches_s']:6.3f} s", flush=True)
 
 
 if __name__ == "__main__":

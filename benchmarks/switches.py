@@ -28,6 +28,11 @@ SWITCHES = {
         "nanovllm.kernels.triton_attention", "RANK_KERNEL", False,
         "the decode's longest-first order by torch's sort, not the ranking kernel "
         "(triton_attention.RANK_KERNEL off; before 2026-12-01)"),
+    "--gumbel-sampler": (
+        "nanovllm.kernels.triton_cdf_sampling", "INVERSE_CDF", False,
+        "greedy / temperature rows sampled by triton_sampling's Gumbel race (a uniform and two "
+        "logarithms a token), not by the inverse CDF (triton_cdf_sampling.INVERSE_CDF off; "
+        "before 2026-12-02)"),
     "--gc-freeze": (
         "nanovllm.worker.model_runner", "FREEZE_GC_AFTER_SETUP", True,
         "collect and freeze Python's garbage collector after start-up "

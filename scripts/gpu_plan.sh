@@ -84,6 +84,13 @@
 #   bash scripts/gpu_plan.sh mallocs  # where the seed workload's first timed run makes its
 #                                     # device mallocs (offline.py --malloc-trace, fp8; that run
 #                                     # is ~1% slower than a second one, and makes six)
+#   bash scripts/gpu_plan.sh gaps     # the device's idle time between the seed workload's
+#                                     # steps, by kind of step (offline.py --gpu-gaps), fp8
+#                                     # twice (the first a warm-up) and bf16
+#   bash scripts/gpu_plan.sh sampler  # the samplers' GPU tests and kernel times, then the seed
+#                                     # workload, fp8, alternating ROUNDS (2) of the defaults
+#                                     # and --gumbel-sampler after a warm-up run; VARIANTS
+#                                     # ("|--gumbel-sampler": flag sets split by |) for others
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -93,7 +100,7 @@
 #                                     # each round in a rotated order
 # Logs go to $OUT (or ./gpu-out).
 set -u
-stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, firstrun, pdl, fresh, layouts, tiles, mallocs, syncs or swap"}
+stage=${1:?"which stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, splitk, klayout, grouprows, skippast, fp8splits, firstrun, pdl, fresh, layouts, tiles, mallocs, gaps, sampler, syncs or swap"}
 source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 model() {  # the random-weight Qwen3-0.6B the serving benchmarks share
@@ -351,6 +358,27 @@ case "$stage" in
   mallocs)
     timeout 150 python3 -m benchmarks.offline --no-peer --malloc-trace --kv-cache-dtype fp8 \
       --repeat 2 2>&1 | grep -E "^nano-vLLM" | tee "$OUT/mallocs.log" ;;
+  gaps)
+    for dtype in fp8 fp8 auto; do
+      timeout 90 python3 -m benchmarks.offline --no-peer --gpu-gaps --kv-cache-dtype $dtype \
+        2>&1 | grep -E "^nano-vLLM  |host time|^gaps" | sed "s/^/$dtype: /" | tee -a "$OUT/gaps.log"
+    done ;;
+  sampler)
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/model/test_triton_cdf_sampler.py tests/model/test_triton_sampler.py \
+        tests/model/test_sampler.py 2>&1 | tail -3 | tee "$OUT/sampler_tests.log"
+      timeout 120 python3 -m benchmarks.sampler --splits 4 8 16 32 2>&1 \
+        | tee "$OUT/sampler_kernels.log"
+    fi
+    offline sampler.log "warm-up, not counted" fp8
+    IFS='|' read -r -a variants <<< "${VARIANTS:-|--gumbel-sampler}"
+    for round in $(seq "${ROUNDS:-2}"); do
+      for flags in "${variants[@]}"; do
+        # shellcheck disable=SC2086
+        offline sampler.log "round $round ${flags:-defaults}" fp8 $flags
+      done
+    done ;;
   syncs)
     for dtype in auto fp8; do
       timeout 120 python3 -m benchmarks.offline --no-peer --sync-debug --kv-cache-dtype $dtype \

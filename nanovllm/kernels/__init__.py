@@ -64,7 +64,7 @@ def select_kernels(ops: str = "torch", attention: str = "torch",
     one_pass = None
     if ops == "triton":
         from nanovllm.kernels import triton_ops as impl
-        from nanovllm.kernels.triton_sampling import gumbel_argmax as one_pass
+        from nanovllm.kernels.triton_cdf_sampling import sample_one_pass as one_pass
     elif ops == "native":
         from nanovllm.kernels import cpu_native as impl
     else:

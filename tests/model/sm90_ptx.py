@@ -154,7 +154,7 @@ def record(kv_cache_dtype: str, scales: str, k_plane: bool = False,
 
 
 def record_sampler() -> list:
-    """The one-pass sampler's launch for 256 rows of a 152k vocabulary in bf16, as a GPU
+    """The one-pass samplers' launches for 256 rows of a 152k vocabulary in bf16, as a GPU
     makes it (FAST_LOG: logits on CUDA)."""
     import importlib
 
@@ -164,6 +164,12 @@ def record_sampler() -> list:
     ts.gumbel_argmax(torch.zeros(256, 151936, dtype=torch.bfloat16), torch.zeros(256), 1e-5)
     for _, _, kwargs in calls:
         kwargs["FAST_LOG"] = True
+    # and the inverse-CDF sampler's two kernels (the engine's default)
+    cdf = importlib.reload(importlib.import_module("nanovllm.kernels.triton_cdf_sampling"))
+    cdf._split_sums_kernel = Recorder(cdf._split_sums_kernel, calls)
+    cdf._draw_kernel = Recorder(cdf._draw_kernel, calls)
+    cdf.inverse_cdf_sample(torch.zeros(256, 151936, dtype=torch.bfloat16), torch.zeros(256),
+                           1e-5)
     return calls
 
 

@@ -1,0 +1,118 @@
+"""The inverse-CDF Triton sampler against torch: greedy rows give argmax exactly (ties to the
+lowest id, across splits too), temperature rows follow softmax(logits / T) by a chi-square
+test however the vocabulary is split and wherever the mass lies, a draw does not depend on
+the split count, and a token 60 nats below the top is never drawn.
+
+Each test runs in Triton's CPU interpreter and, marked gpu, compiled on CUDA (the
+`triton_device` fixture); the CUDA cases of test_sampler.py go through this kernel via
+`sample` (the engine's one-pass sampler).
+"""
+
+import pytest
+import torch
+
+from tests.support import SMALL_LOGITS, assert_matches, triton_module
+
+cdf = triton_module("nanovllm.kernels.triton_cdf_sampling")
+# the interpreter evaluates both sides of a where: -inf - -inf in the side not taken
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_rows_are_torch_argmax(triton_device: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 3000, generator=gen).to(dtype)
+    logits[1, 10] = logits[1, 2500] = logits[1].max() + 1  # a tie across splits: lower id
+    logits[2] = float("-inf")  # argmax of an all -inf row is id 0
+    logits[3, :] = 0.0
+    logits[4, 2999] = 100.0  # the last id
+    greedy = torch.zeros(6, device=triton_device)
+    for splits in (None, 1, 3):
+        out = cdf.inverse_cdf_sample(logits.to(triton_device), greedy, 1e-5, num_splits=splits)
+        assert out.dtype == torch.int64
+        assert out.cpu().tolist() == logits.float().argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0])
+def test_temperature_rows_follow_softmax(triton_device: str, temperature: float) -> None:
+    n = 800 if triton_device == "cpu" else 50_000  # one interpreted program per row
+    logits = SMALL_LOGITS.expand(n, -1).contiguous().to(triton_device)
+    temps = torch.full((n,), temperature, device=triton_device)
+    out = cdf.inverse_cdf_sample(logits, temps, 1e-5, seed=1234)
+    assert_matches(out, torch.softmax(SMALL_LOGITS.double() / temperature, -1))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_mass_in_every_split_and_none_in_some(triton_device: str, splits: int) -> None:
+    """A vocabulary over several splits and tiles with its probable tokens spread across
+    them, split boundaries among them and two splits that hold no mass at all (-inf): the
+    walk must find the right split and the right token in it."""
+    vocab, n = 4096, 800 if triton_device == "cpu" else 40_000
+    logits = torch.full((vocab,), float("-inf"))
+    hot = torch.tensor([0, 1023, 1024, 1500, 3071, 3072, 4095])  # about split edges of 1,024
+    logits[1024:2048] = -30.0  # a split of tokens too unlikely to come up in n draws
+    logits[2048:3071] = float("-inf")
+    logits[hot] = torch.tensor([0.5, 1.0, -0.5, 0.0, 1.5, 0.2, -1.0])
+    rows = logits.expand(n, -1).contiguous().to(triton_device)
+    out = cdf.inverse_cdf_sample(rows, torch.ones(n, device=triton_device), 1e-5, seed=99,
+                                 num_splits=splits)
+    probs = torch.softmax(logits.double(), -1)
+    hits = torch.bincount(out.cpu(), minlength=vocab)
+    assert hits[probs == 0].sum() == 0
+    assert hits.sum() - hits[hot].sum() <= 3  # the -30 split: ~2e-9 each, 1,024 of them
+    assert_matches(torch.searchsorted(hot, out.cpu()), probs[hot] / probs[hot].sum())
+
+
+def test_a_draw_does_not_depend_on_the_split_count(triton_device: str) -> None:
+    n = 48
+    logits = torch.randn(n, 2000).to(triton_device)
+    temps = torch.tensor([0.0, 1.0, 0.7] * (n // 3), device=triton_device)
+    a = cdf.inverse_cdf_sample(logits, temps, 1e-5, seed=7, num_splits=1)
+    assert torch.equal(a, cdf.inverse_cdf_sample(logits, temps, 1e-5, seed=7, num_splits=1))
+    assert torch.equal(a[0::3], logits.argmax(-1)[0::3])
+    for splits in (2, 5):  # u is the row's; the same u names the same token
+        assert torch.equal(a, cdf.inverse_cdf_sample(logits, temps, 1e-5, seed=7,
+                                                     num_splits=splits))
+    fresh = [cdf.inverse_cdf_sample(logits, temps, 1e-5) for _ in range(2)]
+    assert not torch.equal(fresh[0], fresh[1])  # a new seed per call
+
+
+def test_small_vocabularies_and_strided_rows(triton_device: str) -> None:
+    greedy = torch.zeros(3, device=triton_device)
+    for vocab in (1, 2, 5):
+        logits = torch.randn(3, vocab)
+        out = cdf.inverse_cdf_sample(logits.to(triton_device), greedy, 1e-5)
+        assert out.cpu().tolist() == logits.argmax(-1).tolist()
+        hot = cdf.inverse_cdf_sample(logits.to(triton_device), greedy + 1.0, 1e-5)
+        assert ((0 <= hot) & (hot < vocab)).all()
+    wide = torch.randn(3, 1100)
+    wide[:, 1000:] = 100.0  # padding after each row's 1,000 logits: never read
+    logits = wide[:, :1000].to(triton_device)
+    out = cdf.inverse_cdf_sample(logits, torch.ones(3, device=triton_device), 1e-5)
+    assert (out < 1000).all()
+
+
+def test_the_switch_picks_the_method(monkeypatch, triton_device: str) -> None:
+    logits = SMALL_LOGITS.expand(4, -1).contiguous().to(triton_device)
+    temps = torch.ones(4, device=triton_device)
+    calls = []
+    for module, name in ((cdf, "inverse_cdf_sample"), (cdf.triton_sampling, "gumbel_argmax")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: (
+            calls.append(name), real(*a, **k))[1])
+    for on in (True, False):
+        monkeypatch.setattr(cdf, "INVERSE_CDF", on)
+        assert cdf.sample_one_pass(logits, temps, 1e-5).shape == (4,)
+    assert calls == ["inverse_cdf_sample", "gumbel_argmax"]
+
+
+@pytest.mark.gpu
+def test_a_token_far_below_the_top_is_never_drawn():
+    """A 152k vocabulary, one token 60 nats above the rest: exact sampling draws another
+    with probability ~1e-21, so every draw is that token."""
+    logits = torch.zeros(64, 151936, device="cuda", dtype=torch.bfloat16)
+    logits[:, 7] = 60.0
+    temps = torch.ones(64, device="cuda")
+    for _ in range(20):
+        out = cdf.inverse_cdf_sample(logits, temps, 1e-5)
+        assert (out == 7).all(), out[out != 7]
