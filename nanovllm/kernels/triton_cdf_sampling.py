@@ -1,21 +1,21 @@
 """Sampling greedy and plain-temperature rows by the inverse of their CDF: one uniform a row.
 
 triton_sampling's Gumbel race draws a uniform and two logarithms for every token of the
-vocabulary, so it is bound by that arithmetic (~80 us for 256 rows of a 152k vocabulary on
-an H200), not by reading the logits (~16 us). Here the noise is one uniform a row:
+vocabulary, so its time goes to that arithmetic, not to reading the logits. Here the noise
+is one uniform a row, in two launches:
 
-1. `_split_sums_kernel`, a program per (row, vocabulary split): the split's maximum M_s of
-   x = logit * log2(e) / T and its sum Z_s of 2^(x - M_s), in one read of the logits with
-   one exp2 a token (a greedy row: the split's argmax instead, as triton_sampling's).
-2. `_draw_kernel`, a program per row: the splits' weights Z_s 2^(M_s - M) give the row's
-   total W; u * W (u uniform) falls in one split, and the program walks that split's
-   cumulative sum of 2^(x - M) to the token where it passes the remainder. Token i comes
-   out with probability 2^(x_i - M) / W = softmax(logits / T)_i, up to float32 rounding of
-   the sums. A greedy row takes the first split holding the largest value (the lowest id,
-   as torch.argmax).
+1. `_tile_sums_kernel`, programs over (row, run of tiles of TILE logits): each tile's
+   maximum m_t of x = logit * log2(e) / T and its sum s_t of 2^(x - m_t), one read of the
+   logits and one exp2 a token (a greedy row: the tiles' maxima of the logits alone).
+2. `_draw_kernel`, a program per row: the tiles' weights s_t 2^(m_t - M) (M the row's
+   maximum) give the row's total W; u * W (u uniform) falls in one tile, and the program
+   reads that tile's logits and takes the token where their cumulative 2^(x - M) passes
+   the remainder. Token i comes out with probability 2^(x_i - M) / W = softmax(logits /
+   T)_i, up to float32 rounding of the sums. A greedy row takes the first tile holding the
+   row's largest value and its first id holding it (torch.argmax's tie rule).
 
-The draw depends on u and the logits only, not on how the vocabulary is split. Seeded and
-top-k/top-p/min-p rows keep the torch path (`sampler.sample` decides).
+The draw depends on u and the logits only, not on how the tiles are spread over programs.
+Seeded and top-k/top-p/min-p rows keep the torch path (`sampler.sample` decides).
 """
 
 import random
@@ -29,100 +29,77 @@ from nanovllm.kernels import triton_sampling
 # the one-pass sampler's method: the inverse CDF (here) or triton_sampling's Gumbel race
 INVERSE_CDF = True
 LOG2E = tl.constexpr(1.4426950408889634)
+TILE = 1024  # logits a tile: a row of Qwen3's 151,936 has 149 tiles
 NOT_FOUND = tl.constexpr(2147483647)
 _rng = random.Random()
 
 
-@triton.jit
-def _split_sums_kernel(
-    logits_ptr, stride_row, temps_ptr, max_ptr, sum_ptr, vocab_size, split_len,
-    min_temperature, BLOCK: tl.constexpr,
+@triton.jit(do_not_specialize=["tiles_per_program"])  # a row count's own: one variant for all
+def _tile_sums_kernel(
+    logits_ptr, stride_row, temps_ptr, max_ptr, sum_ptr, vocab_size, tiles_per_program,
+    num_tiles, min_temperature, BLOCK: tl.constexpr,
 ):
-    row, split = tl.program_id(0), tl.program_id(1)
-    out = row * tl.num_programs(1) + split
+    # one program per (row, run of tiles): each tile's maximum of x (x = logits * log2(e) /
+    # T, or the logits of a greedy row) and, for a temperature row, its sum of 2^(x - max)
+    row, part = tl.program_id(0), tl.program_id(1)
     temp = tl.load(temps_ptr + row).to(tl.float32)
+    scale = tl.where(temp == 0.0, 1.0, LOG2E / tl.maximum(temp, min_temperature))
     base = logits_ptr + row.to(tl.int64) * stride_row
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, vocab_size)
     lanes = tl.arange(0, BLOCK)
-    if temp == 0.0:  # greedy: the split's largest logit, and its lowest id in sum_ptr (ids
-        # below 2^24 are exact float32s)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_idx = tl.full([BLOCK], NOT_FOUND, tl.int32)
-        for start in range(lo, hi, BLOCK):
-            offs = start + lanes
-            x = tl.load(base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
-            take = (x > best) | ((x == best) & (offs < hi) & (offs < best_idx))
-            best, best_idx = tl.where(take, x, best), tl.where(take, offs, best_idx)
-        top = tl.max(best, axis=0)
-        idx = tl.min(tl.where(best == top, best_idx, NOT_FOUND), axis=0)
-        tl.store(max_ptr + out, top)
-        tl.store(sum_ptr + out, tl.where(idx == NOT_FOUND, lo, idx).to(tl.float32))
-    else:
-        scale = LOG2E / tl.maximum(temp, min_temperature)
-        # per lane: its maximum m and sum z of 2^(x - m); a larger x rescales the sum
-        # (z 2^(m - x) + 1), one exp2 a token either way
-        m = tl.full([BLOCK], float("-inf"), tl.float32)
-        z = tl.zeros([BLOCK], tl.float32)
-        for start in range(lo, hi, BLOCK):
-            offs = start + lanes
-            x = tl.load(base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32) * scale
-            d = tl.exp2(-tl.abs(tl.where(x == m, 0.0, x - m)))  # (both -inf: no NaN)
-            up = x > m
-            z = tl.where(up, z * d + 1.0, tl.where(x > float("-inf"), z + d, z))  # -inf: none
-            m = tl.maximum(m, x)
-        top = tl.max(m, axis=0)
-        lane_sums = tl.where(m > float("-inf"), z * tl.exp2(m - top), 0.0)
-        tl.store(max_ptr + out, top)
-        tl.store(sum_ptr + out, tl.sum(lane_sums, axis=0))
+    first = part * tiles_per_program
+    for t in range(first, tl.minimum(first + tiles_per_program, num_tiles)):
+        offs = t * BLOCK + lanes
+        x = tl.load(base + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+        x = x * scale
+        top = tl.max(x, axis=0)
+        tl.store(max_ptr + row * num_tiles + t, top)
+        if temp != 0.0:
+            p = tl.exp2(x - tl.where(top == float("-inf"), 0.0, top))  # an all -inf tile: 0
+            tl.store(sum_ptr + row * num_tiles + t, tl.sum(p, axis=0))
 
 
 @triton.jit(do_not_specialize=["seed"])
 def _draw_kernel(
     logits_ptr, stride_row, temps_ptr, max_ptr, sum_ptr, out_ptr, seed, vocab_size,
-    split_len, num_splits, min_temperature, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+    num_tiles, min_temperature, BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):
+    # one program per row: the tile its token lies in, from the tiles' statistics, then the
+    # token, from that tile's logits
     row = tl.program_id(0)
     temp = tl.load(temps_ptr + row).to(tl.float32)
-    s = tl.arange(0, SPLITS)
-    has = s < num_splits
-    maxes = tl.load(max_ptr + row * num_splits + s, mask=has, other=float("-inf"))
+    tiles = tl.arange(0, TILES)
+    has = tiles < num_tiles
+    maxes = tl.load(max_ptr + row * num_tiles + tiles, mask=has, other=float("-inf"))
     top = tl.max(maxes, axis=0)
-    if temp == 0.0:  # the first split holding the row's largest value
-        first = tl.min(tl.where(has & (maxes == top), s, SPLITS), axis=0)
-        token = tl.load(sum_ptr + row * num_splits + tl.where(first == SPLITS, 0, first))
-        tl.store(out_ptr + row, token.to(tl.int64))
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    lanes = tl.arange(0, BLOCK)
+    if temp == 0.0:  # argmax: the first tile holding the row's largest value, its first
+        t = tl.min(tl.where(has & (maxes == top), tiles, TILES), axis=0)
+        t = tl.where(t == TILES, 0, t)  # an all -inf row: id 0, as torch.argmax
+        offs = t * BLOCK + lanes
+        x = tl.load(base + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+        token = tl.min(tl.where((x == top) & (offs < vocab_size), offs, NOT_FOUND), axis=0)
+        tl.store(out_ptr + row, tl.where(token == NOT_FOUND, t * BLOCK, token).to(tl.int64))
     else:
         scale = LOG2E / tl.maximum(temp, min_temperature)
-        sums = tl.load(sum_ptr + row * num_splits + s, mask=has, other=0.0)
+        sums = tl.load(sum_ptr + row * num_tiles + tiles, mask=has, other=0.0)
         w = tl.where(maxes > float("-inf"), sums * tl.exp2(maxes - top), 0.0)
         cum = tl.cumsum(w, axis=0)
         target = tl.rand(seed, row) * tl.sum(w, axis=0)
-        # the split where the cumulative weight passes the target (the last one with any
-        # weight, should rounding put the target at the very end)
-        past = has & (cum > target) & (w > 0)
-        last = tl.max(tl.where(has & (w > 0), s, -1), axis=0)
-        j = tl.min(tl.where(past, s, SPLITS), axis=0)
-        j = tl.where(j == SPLITS, tl.maximum(last, 0), j)
-        rest = target - tl.sum(tl.where(s < j, w, 0.0), axis=0)
-        base = logits_ptr + row.to(tl.int64) * stride_row
-        lanes = tl.arange(0, BLOCK)
-        start = j * split_len
-        hi = tl.minimum(start + split_len, vocab_size)
-        acc = rest * 0.0
-        found = NOT_FOUND + row * 0
-        last_live = start  # the last token with any weight, for a target rounding past all
-        while (start < hi) & (found == NOT_FOUND):
-            offs = start + lanes
-            x = tl.load(base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
-            p = tl.exp2(x * scale - top)
-            running = acc + tl.cumsum(p, axis=0)
-            hit = (running > rest) & (p > 0.0)
-            found = tl.min(tl.where(hit, offs, NOT_FOUND), axis=0)
-            last_live = tl.maximum(last_live, tl.max(tl.where(p > 0.0, offs, -1), axis=0))
-            acc += tl.sum(p, axis=0)
-            start += BLOCK
-        tl.store(out_ptr + row, tl.where(found == NOT_FOUND, last_live, found).to(tl.int64))
+        # the tile where the cumulative weight passes the target (the last with any weight,
+        # should rounding put the target at the very end)
+        t = tl.min(tl.where(has & (cum > target) & (w > 0), tiles, TILES), axis=0)
+        last = tl.max(tl.where(has & (w > 0), tiles, -1), axis=0)
+        t = tl.where(t == TILES, tl.maximum(last, 0), t)
+        rest = target - tl.sum(tl.where(tiles < t, w, 0.0), axis=0)
+        offs = t * BLOCK + lanes
+        x = tl.load(base + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+        p = tl.exp2(x * scale - top)
+        live = p > 0.0
+        token = tl.min(tl.where((tl.cumsum(p, axis=0) > rest) & live, offs, NOT_FOUND), axis=0)
+        last_live = tl.max(tl.where(live, offs, -1), axis=0)
+        token = tl.where(token == NOT_FOUND, tl.maximum(last_live, t * BLOCK), token)
+        tl.store(out_ptr + row, token.to(tl.int64))
 
 
 def inverse_cdf_sample(
@@ -131,31 +108,28 @@ def inverse_cdf_sample(
 ) -> torch.Tensor:
     """Token ids [B] (int64): argmax for rows with temperature 0, otherwise a draw from
     softmax(logits / max(T, min_temperature)). `logits` [B, V] in any float dtype, rows
-    contiguous; no host sync. Each row's vocabulary is split over several programs so a
-    small batch still fills the GPU."""
+    contiguous; no host sync. `num_splits`: programs a row for the tiles' statistics (by
+    default enough that a small batch still fills the GPU)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
-    assert vocab < 2**24, "a greedy row's token id passes through a float32"
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
     if seed is None:
         seed = _rng.getrandbits(31)
-    block = max(16, min(1024, triton.next_power_of_2(vocab)))
+    block = max(16, min(TILE, triton.next_power_of_2(vocab)))
+    num_tiles = -(-vocab // block)
     if num_splits is None:  # about 2048 programs in all, as triton_sampling's race
-        num_splits = max(1, min(32, -(-2048 // rows), -(-vocab // block)))
-    split_len = -(-vocab // num_splits)
-    split_len = -(-split_len // block) * block
-    num_splits = -(-vocab // split_len)
-    maxes = torch.empty(rows, num_splits, dtype=torch.float32, device=logits.device)
+        num_splits = max(1, min(32, -(-2048 // rows)))
+    per_program = -(-num_tiles // min(num_splits, num_tiles))
+    maxes = torch.empty(rows, num_tiles, dtype=torch.float32, device=logits.device)
     sums = torch.empty_like(maxes)
-    _split_sums_kernel[(rows, num_splits)](
-        logits, logits.stride(0), temperatures, maxes, sums, vocab, split_len,
+    _tile_sums_kernel[(rows, -(-num_tiles // per_program))](
+        logits, logits.stride(0), temperatures, maxes, sums, vocab, per_program, num_tiles,
         min_temperature, BLOCK=block, num_warps=4)
     _draw_kernel[(rows,)](
-        logits, logits.stride(0), temperatures, maxes, sums, out, seed, vocab, split_len,
-        num_splits, min_temperature, BLOCK=block, SPLITS=triton.next_power_of_2(num_splits),
-        num_warps=4)
+        logits, logits.stride(0), temperatures, maxes, sums, out, seed, vocab, num_tiles,
+        min_temperature, BLOCK=block, TILES=triton.next_power_of_2(num_tiles), num_warps=4)
     return out
 
 

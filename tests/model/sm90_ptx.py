@@ -166,7 +166,7 @@ def record_sampler() -> list:
         kwargs["FAST_LOG"] = True
     # and the inverse-CDF sampler's two kernels (the engine's default)
     cdf = importlib.reload(importlib.import_module("nanovllm.kernels.triton_cdf_sampling"))
-    cdf._split_sums_kernel = Recorder(cdf._split_sums_kernel, calls)
+    cdf._tile_sums_kernel = Recorder(cdf._tile_sums_kernel, calls)
     cdf._draw_kernel = Recorder(cdf._draw_kernel, calls)
     cdf.inverse_cdf_sample(torch.zeros(256, 151936, dtype=torch.bfloat16), torch.zeros(256),
                            1e-5)

@@ -1,7 +1,7 @@
 """The inverse-CDF Triton sampler against torch: greedy rows give argmax exactly (ties to the
-lowest id, across splits too), temperature rows follow softmax(logits / T) by a chi-square
-test however the vocabulary is split and wherever the mass lies, a draw does not depend on
-the split count, and a token 60 nats below the top is never drawn.
+lowest id, in a tile and across tiles), temperature rows follow softmax(logits / T) by a
+chi-square test wherever the mass lies among the tiles, a draw does not depend on how the
+tiles are spread over programs, and a token 60 nats below the top is never drawn.
 
 Each test runs in Triton's CPU interpreter and, marked gpu, compiled on CUDA (the
 `triton_device` fixture); the CUDA cases of test_sampler.py go through this kernel via
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
 def test_greedy_rows_are_torch_argmax(triton_device: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 3000, generator=gen).to(dtype)
-    logits[1, 10] = logits[1, 2500] = logits[1].max() + 1  # a tie across splits: lower id
+    logits[1, 10] = logits[1, 2500] = logits[1].max() + 1  # a tie across tiles: lower id
+    logits[5, 1030] = logits[5, 1029] = logits[5].max() + 1  # and in one tile
     logits[2] = float("-inf")  # argmax of an all -inf row is id 0
     logits[3, :] = 0.0
     logits[4, 2999] = 100.0  # the last id
@@ -43,14 +44,14 @@ def test_temperature_rows_follow_softmax(triton_device: str, temperature: float)
 
 
 @pytest.mark.parametrize("splits", [1, 4])
-def test_mass_in_every_split_and_none_in_some(triton_device: str, splits: int) -> None:
-    """A vocabulary over several splits and tiles with its probable tokens spread across
-    them, split boundaries among them and two splits that hold no mass at all (-inf): the
-    walk must find the right split and the right token in it."""
+def test_mass_in_every_tile_and_none_in_some(triton_device: str, splits: int) -> None:
+    """A vocabulary of four tiles with its probable tokens spread across them, on their
+    edges, a tile of tokens too unlikely to come up and most of one holding no mass at all
+    (-inf): the draw must find the right tile and the right token in it."""
     vocab, n = 4096, 800 if triton_device == "cpu" else 40_000
     logits = torch.full((vocab,), float("-inf"))
-    hot = torch.tensor([0, 1023, 1024, 1500, 3071, 3072, 4095])  # about split edges of 1,024
-    logits[1024:2048] = -30.0  # a split of tokens too unlikely to come up in n draws
+    hot = torch.tensor([0, 1023, 1024, 1500, 3071, 3072, 4095])  # about the tiles' edges
+    logits[1024:2048] = -30.0  # a tile too unlikely to come up
     logits[2048:3071] = float("-inf")
     logits[hot] = torch.tensor([0.5, 1.0, -0.5, 0.0, 1.5, 0.2, -1.0])
     rows = logits.expand(n, -1).contiguous().to(triton_device)
@@ -59,7 +60,7 @@ def test_mass_in_every_split_and_none_in_some(triton_device: str, splits: int) -
     probs = torch.softmax(logits.double(), -1)
     hits = torch.bincount(out.cpu(), minlength=vocab)
     assert hits[probs == 0].sum() == 0
-    assert hits.sum() - hits[hot].sum() <= 3  # the -30 split: ~2e-9 each, 1,024 of them
+    assert hits.sum() - hits[hot].sum() <= 3  # the -30 tile: ~2e-9 each, 1,024 of them
     assert_matches(torch.searchsorted(hot, out.cpu()), probs[hot] / probs[hot].sum())
 
 

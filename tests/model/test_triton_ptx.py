@@ -36,7 +36,7 @@ def test_attention_kernels_compile_for_sm90_with_vector_loads():
         for kernel in ("_store_kv_kernel", "_rope_store_kernel", "_decode_kernel",
                        "_reduce_kernel", "_prefill_kernel"):
             assert (kernel, case) in compiled, f"{kernel} was not launched for {case}"
-    for kernel in ("_gumbel_argmax_kernel", "_split_sums_kernel", "_draw_kernel"):
+    for kernel in ("_gumbel_argmax_kernel", "_tile_sums_kernel", "_draw_kernel"):
         assert (kernel, "sampler") in compiled, f"{kernel} was not launched"
     assert ("_split_k_kernel", "split-k") in compiled
     errors = [f"{r['kernel']} ({r['case']}): {r['error']}" for r in results if "error" in r]
@@ -102,7 +102,7 @@ def test_attention_kernels_compile_for_sm90_with_vector_loads():
     assert race["ops"]["mul.hi.u32"] <= 100, race
     assert race["ops"]["lg2.approx.f32"] > 0, race
     # the inverse CDF reads the logits with no noise at all: no Philox, no logarithm
-    sums = sampler["_split_sums_kernel"]
+    sums = sampler["_tile_sums_kernel"]
     assert sums["ops"]["mul.hi.u32"] == 0 and sums["ops"]["lg2.approx.f32"] == 0, sums
 
 
