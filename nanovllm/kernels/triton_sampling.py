@@ -1,4 +1,7 @@
-"""One-pass sampling kernel for the common batch: greedy and plain-temperature rows.
+"""One-pass sampling kernel for the common batch: greedy and plain-temperature rows, by a
+Gumbel race. The engine samples these rows by their inverse CDF instead
+(triton_cdf_sampling.py, 2.5x faster at 256 rows); this is its switch's other side
+(`triton_cdf_sampling.INVERSE_CDF` off, `offline.py --gumbel-sampler`).
 
 The torch sampler draws an exponential race over a float32 copy of the logits: seven or
 eight full passes over a [rows, vocab] tensor (cast, rand, clamp, divide, two logs,
