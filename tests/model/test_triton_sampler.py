@@ -82,13 +82,17 @@ def test_mixed_rows_and_fresh_noise_per_call(triton_device: str) -> None:
     assert torch.equal(same, ts.gumbel_argmax(logits, temps, 1e-5, seed=7, num_splits=3))
 
 
-def test_vocabularies_smaller_than_a_tile(triton_device):
+@pytest.mark.parametrize("method", ["race", "inverse_cdf"])
+def test_vocabularies_smaller_than_a_tile(triton_device, method):
+    """Both one-pass samplers (this module's race, triton_cdf_sampling's inverse CDF)."""
+    sample = (ts.gumbel_argmax if method == "race" else
+              triton_module("nanovllm.kernels.triton_cdf_sampling").inverse_cdf_sample)
     greedy = torch.zeros(3, device=triton_device)
     for vocab in (1, 2, 5):
         logits = torch.randn(3, vocab)
-        out = ts.gumbel_argmax(logits.to(triton_device), greedy, 1e-5)
+        out = sample(logits.to(triton_device), greedy, 1e-5)
         assert out.cpu().tolist() == logits.argmax(-1).tolist()
-        hot = ts.gumbel_argmax(logits.to(triton_device), greedy + 1.0, 1e-5)
+        hot = sample(logits.to(triton_device), greedy + 1.0, 1e-5)
         assert ((0 <= hot) & (hot < vocab)).all()
 
 
