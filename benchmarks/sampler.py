@@ -26,6 +26,9 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="*", default=[],
                     help="also time these vocabulary splits per row (programs = rows x splits)")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return
     from benchmarks.speed_of_light import _copy_seconds
     from nanovllm.kernels.triton_cdf_sampling import inverse_cdf_sample
     from nanovllm.kernels.triton_sampling import gumbel_argmax
@@ -43,14 +46,14 @@ def main() -> None:
         for temp in args.temperature:
             temps = torch.full((rows,), temp, device=dev)
             cdf = _us(inverse_cdf_sample, logits, temps, MIN_TEMPERATURE, seed=1)
-            ours = _us(gumbel_argmax, logits, temps, MIN_TEMPERATURE, seed=1)
+            race = _us(gumbel_argmax, logits, temps, MIN_TEMPERATURE, seed=1)
             if temp == 0.0:  # the torch sampler's greedy rows are an argmax
                 theirs = _us(torch.argmax, logits, -1)
             else:  # its logits are float32 by then
                 theirs = _us(lambda x, t: _gumbel_argmax(x.float(), t), logits, temps)
             floor = logits.numel() * logits.element_size() / copy_gbs / 1e3
-            print(f"{rows:>5} {temp:>4} {cdf:>8.1f} {ours:>8.1f} {ours / cdf:>8.2f}x "
-                  f"{theirs:>9.1f} {theirs / ours:>10.2f}x {floor:>13.1f} {floor / cdf:>13.2f}")
+            print(f"{rows:>5} {temp:>4} {cdf:>8.1f} {race:>8.1f} {race / cdf:>8.2f}x "
+                  f"{theirs:>9.1f} {theirs / race:>10.2f}x {floor:>13.1f} {floor / cdf:>13.2f}")
             for splits in args.splits:
                 t = _us(inverse_cdf_sample, logits, temps, MIN_TEMPERATURE, seed=1,
                         num_splits=splits)
