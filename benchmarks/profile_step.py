@@ -3,7 +3,8 @@ and any host<->device synchronization inside the step loop.
 
     python -m benchmarks.profile_step [--model DIR] [--steps 20] [--no-overlap]
                                       [--kv-cache-dtype fp8 [--fp8-attention qp]]
-                                      [--prefill]
+                                      [--prefill] [--no-pdl and the other switches]
+                                      (PROFILE_ROWS=30: more rows of the kernel table)
 
 Runs 256 requests of the offline workload's shape until prefill is over, then profiles
 `--steps` decode steps with torch.profiler and CUDA's sync debug mode. (Its draws are
@@ -14,6 +15,7 @@ shape has been served once).
 """
 
 import argparse
+import os
 import random
 import time
 import warnings
@@ -33,7 +35,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--prefill", action="store_true", help="profile the prefill steps")
     ap.add_argument("--fp8-attention", choices=["off", "q", "qp"], default="off")
-    add_switches(ap, "--no-k-scale-plane")
+    add_switches(ap)  # every switch: a profile of either side of any of them
     args = ap.parse_args()
 
     from nanovllm import LLM, SamplingParams
@@ -118,7 +120,8 @@ def main() -> None:
     for msg, n in sorted(syncs.items(), key=lambda kv: -kv[1])[:8]:
         print(f"  {n:5d}  {msg}")
     table = prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=18, max_name_column_width=60
+        sort_by="cuda_time_total", row_limit=int(os.environ.get("PROFILE_ROWS", 18)),
+        max_name_column_width=60,
     )
     print(table)
 
