@@ -20,6 +20,11 @@ SWITCHES = {
         "nanovllm.kernels.triton_kv_store", "RUN_STORES", False,
         "a transposed fp8 V stored token by token, not a prefill chunk's complete runs of 16 "
         "slots 16 bytes a row (triton_kv_store.RUN_STORES off; before 2026-12-02)"),
+    "--v-with-k": (
+        "nanovllm.kernels.triton_kv_store", "V_APART", False,
+        "the fused RoPE + store writes each token's V after its K's rotation and store, in the "
+        "same program, not from a program of its own (triton_kv_store.V_APART off; before "
+        "2026-12-02)"),
     "--no-pdl": (
         "nanovllm.kernels.triton_pdl", "PDL", False,
         "the step's Triton kernels as plain launches, not programmatic dependent ones "

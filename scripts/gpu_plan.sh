@@ -91,6 +91,10 @@
 #                                     # workload, fp8, alternating ROUNDS (2) of the defaults
 #                                     # and --gumbel-sampler after a warm-up run; VARIANTS
 #                                     # ("|--gumbel-sampler": flag sets split by |) for others
+#   bash scripts/gpu_plan.sh vapart   # each token's V stored from a program of its own in the
+#                                     # fused RoPE + store: GPU tests, kv_store.py both ways
+#                                     # (warm and --cold), the seed workload alternating
+#                                     # ROUNDS (3) of the defaults and --v-with-k
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -378,6 +382,25 @@ case "$stage" in
         # shellcheck disable=SC2086
         offline sampler.log "round $round ${flags:-defaults}" fp8 $flags
       done
+    done ;;
+  vapart)  # each token's V stored by a program of its own in the fused RoPE + store
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_rope_store.py \
+        tests/model/test_triton_fp8.py tests/engine/test_fp8_kv.py 2>&1 | tail -3 \
+        | tee "$OUT/vapart_tests.log"
+    fi
+    for cold in "" "--cold"; do
+      for flags in "" "--v-with-k"; do
+        # shellcheck disable=SC2086
+        timeout 100 python3 -m benchmarks.kv_store --tokens 256 16384 --pattern decode prefill \
+          $cold $flags 2>&1 | grep -E "bf16|V_T" | sed "s/^/${flags:-apart}${cold:+ cold}: /" \
+          | tee -a "$OUT/vapart_store.log"
+      done
+    done
+    offline vapart.log "warm-up, not counted" fp8
+    for round in $(seq "${ROUNDS:-3}"); do
+      offline vapart.log "round $round defaults" fp8
+      offline vapart.log "round $round --v-with-k" fp8 --v-with-k
     done ;;
   syncs)
     for dtype in auto fp8; do

@@ -24,6 +24,10 @@ FP8_MAX = tl.constexpr(448.0)  # the largest float8 e4m3 value
 # 108 us a layer instead of 280 (benchmarks/kv_store.py --pattern prefill; BENCHMARKS.md)
 RUN_STORES = True
 RUN = tl.constexpr(16)
+# the fused RoPE + store (qk_norm_rope_store) stores each token's V from a program of its
+# own, beside the ones rotating q and k, instead of after the K's rotation and store in the
+# same program: the V store does not wait on the RoPE
+V_APART = True
 
 
 @triton.jit
@@ -58,9 +62,10 @@ def _store_token(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr, K_PLANE: tl.constexpr, RUN_STORE: tl.constexpr,
+    V_T: tl.constexpr, K_PLANE: tl.constexpr, RUN_STORE: tl.constexpr, PART: tl.constexpr = 0,
 ):
-    # token `tok`'s K/V [heads, head_dim] into its slot (-1: none)
+    # token `tok`'s K/V [heads, head_dim] into its slot (-1: none); PART 1: its K only, 2:
+    # its V only (the fused kernel's programs apart), 0: both
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     # clamp so a skipped (-1) slot never forms an address before the cache, even masked
     safe = tl.maximum(slot, 0)
@@ -70,40 +75,44 @@ def _store_token(
     offs_d = tl.arange(0, BLOCK_D)
     # the skip folded into the head bound (a `& scalar_bool` mask trips the interpreter)
     mask = (offs_h[:, None] < tl.where(slot >= 0, NUM_HEADS, 0)) & (offs_d[None, :] < HEAD_DIM)
+    head_mask = offs_h < tl.where(slot >= 0, NUM_HEADS, 0)
     src = tok.to(tl.int64)
-    k = tl.load(k_ptr + src * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
-                mask=mask)
-    v = tl.load(v_ptr + src * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
-                mask=mask)
-    kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs
-    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs
-    if FP8:
-        head_mask = offs_h < tl.where(slot >= 0, NUM_HEADS, 0)
-        if K_PLANE:  # the block-head's scales after its values (torch_attention.k_scale_plane)
-            k_scale_at = k_cache_ptr + blk * stride_kcb + BLOCK_SIZE * stride_kcs + 4 * off
+    if PART != 2:
+        k = tl.load(k_ptr + src * stride_kt + offs_h[:, None] * stride_kh
+                    + offs_d[None, :] * stride_kd, mask=mask)
+        kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs
+        if FP8:
+            if K_PLANE:  # the block-head's scales after its values (torch_attention.k_scale_plane)
+                k_scale_at = k_cache_ptr + blk * stride_kcb + BLOCK_SIZE * stride_kcs + 4 * off
+            else:
+                k_scale_at = kc + HEAD_DIM * stride_kcd
+            _store_fp8(kc, k_scale_at, k, mask, head_mask, offs_h, offs_d, stride_kch,
+                       stride_kcd, HEAD_DIM, SCALED, False)
         else:
-            k_scale_at = kc + HEAD_DIM * stride_kcd
-        _store_fp8(kc, k_scale_at, k, mask, head_mask, offs_h, offs_d, stride_kch, stride_kcd,
-                   HEAD_DIM, SCALED, False)
-        if V_T and RUN_STORE:  # a complete run's first token writes its V, the others none
-            lead, complete = _complete_run(slot_ptr, tok, slot, tl.num_programs(0))
-            if complete & (tok == lead):
-                first = tl.multiple_of(off - off % RUN, RUN)  # said: the stores vectorize
-                run_at = v_cache_ptr + blk * stride_vcb + first * stride_vcs
-                _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_vch,
-                             stride_vcd, NUM_HEADS, HEAD_DIM, BLOCK_D, SCALED)
-            heads = tl.where((slot >= 0) & (complete == 0), NUM_HEADS, 0)
-            v_mask = (offs_h[:, None] < heads) & (offs_d[None, :] < HEAD_DIM)
-            _store_fp8(vc, vc + HEAD_DIM * stride_vcd, v, v_mask, offs_h < heads, offs_h,
-                       offs_d, stride_vch, stride_vcd, HEAD_DIM, SCALED, V_T)
+            tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
+                     k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    if PART != 1:
+        v = tl.load(v_ptr + src * stride_vt + offs_h[:, None] * stride_vh
+                    + offs_d[None, :] * stride_vd, mask=mask)
+        vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs
+        if FP8:
+            if V_T and RUN_STORE:  # a complete run's first token writes its V, the others none
+                lead, complete = _complete_run(slot_ptr, tok, slot, tl.num_programs(0))
+                if complete & (tok == lead):
+                    first = tl.multiple_of(off - off % RUN, RUN)  # said: the stores vectorize
+                    run_at = v_cache_ptr + blk * stride_vcb + first * stride_vcs
+                    _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at,
+                                 stride_vch, stride_vcd, NUM_HEADS, HEAD_DIM, BLOCK_D, SCALED)
+                heads = tl.where((slot >= 0) & (complete == 0), NUM_HEADS, 0)
+                v_mask = (offs_h[:, None] < heads) & (offs_d[None, :] < HEAD_DIM)
+                _store_fp8(vc, vc + HEAD_DIM * stride_vcd, v, v_mask, offs_h < heads, offs_h,
+                           offs_d, stride_vch, stride_vcd, HEAD_DIM, SCALED, V_T)
+            else:
+                _store_fp8(vc, vc + HEAD_DIM * stride_vcd, v, mask, head_mask, offs_h, offs_d,
+                           stride_vch, stride_vcd, HEAD_DIM, SCALED, V_T)
         else:
-            _store_fp8(vc, vc + HEAD_DIM * stride_vcd, v, mask, head_mask, offs_h, offs_d,
-                       stride_vch, stride_vcd, HEAD_DIM, SCALED, V_T)
-    else:
-        tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
-                 k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd,
-                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd,
+                     v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -217,18 +226,20 @@ def _rope_store_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
     V_T: tl.constexpr = False, K_PLANE: tl.constexpr = False,
-    RUN_STORE: tl.constexpr = False, PDL: tl.constexpr = False,
+    RUN_STORE: tl.constexpr = False, PDL: tl.constexpr = False, V_APART: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     # program (token, 0) rotates the token's q heads; (token, 1) its k heads, then stores the
-    # rotated K and the V into the cache
+    # rotated K into the cache; with V_APART, (token, 2) stores its V meanwhile, else
+    # (token, 1) does after its K
     tok, which = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    qk_norm_rope_program(
-        tok, which, q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-        stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_cos,
-        stride_sin, eps, NUM_Q_HEADS, NUM_K_HEADS, HALF, BLOCK_QH, BLOCK_KH, BLOCK_HALF,
-        HAS_NORM,
-    )
+    if which < 2:
+        qk_norm_rope_program(
+            tok, which, q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+            stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_cos,
+            stride_sin, eps, NUM_Q_HEADS, NUM_K_HEADS, HALF, BLOCK_QH, BLOCK_KH, BLOCK_HALF,
+            HAS_NORM,
+        )
     if which == 1:
         tl.debug_barrier()  # the rotated K, written by every thread of this program
         _store_token(
@@ -237,8 +248,18 @@ def _rope_store_kernel(
             stride_kcb, stride_kcs, stride_kch, stride_kcd,
             stride_vcb, stride_vcs, stride_vch, stride_vcd,
             NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, K_PLANE,
-            RUN_STORE,
+            RUN_STORE, 1 if V_APART else 0,
         )
+    if V_APART:
+        if which == 2:
+            _store_token(
+                tok, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                stride_kcb, stride_kcs, stride_kch, stride_kcd,
+                stride_vcb, stride_vcs, stride_vch, stride_vcd,
+                NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, K_PLANE,
+                RUN_STORE, 2,
+            )
 
 
 def qk_norm_rope_store(
@@ -257,10 +278,10 @@ def qk_norm_rope_store(
         return q, k
     assert v.shape == k.shape
     args, consts = launch
-    _rope_store_kernel[(q.shape[0], 2)](
+    _rope_store_kernel[(q.shape[0], 3 if V_APART else 2)](
         *args, v, k_cache, v_cache, slot_mapping,
         *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        **consts, **_store_consts(k, k_cache, v_cache), **pdl_launch(k),
+        **consts, **_store_consts(k, k_cache, v_cache), **pdl_launch(k), V_APART=V_APART,
     )
     return q, k
 
