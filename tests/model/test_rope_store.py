@@ -34,8 +34,24 @@ def caches(fmt: str, blocks: int, bs: int, hkv: int, d: int, dtype, device):
 @pytest.mark.parametrize("with_norm", [True, False], ids=["qk-norm", "no-norm"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 32), (6, 3, 48)], ids=["pow2", "odd-widths"])
-def test_fused_equals_rope_then_store(triton_device, fmt, with_norm, hq, hkv, d):
-    tokens, bs, blocks = 11, 16, 4
+@pytest.mark.parametrize("apart", [True, False], ids=["v-apart", "v-with-k"])
+@pytest.mark.parametrize("pattern", ["scattered", "chunk"])
+def test_fused_equals_rope_then_store(triton_device, fmt, with_norm, hq, hkv, d, apart,
+                                      pattern, monkeypatch):
+    """`apart`: each token's V stored by a program of its own (triton_kv_store.V_APART) or
+    after its K; `pattern`: slots scattered (a decode step's), or a prefill chunk's
+    consecutive slots from mid-block, whose complete runs of 16 an fp8 V stored transposed
+    takes a run at a time (RUN_STORES)."""
+    monkeypatch.setattr(ts, "V_APART", apart)
+    bs, blocks = 16, 4
+    if pattern == "scattered":
+        tokens = 11
+        slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(3))[:tokens]
+        slots[::4] = -1  # tokens that write nothing (padding rows, prefix hits)
+    else:
+        tokens = 40
+        slots = torch.arange(5, 5 + tokens)
+        slots[30] = -1
     dtype = torch.float16
     q_size, kv_size = hq * d, hkv * d
     # q, k and v as the model has them: views into one qkv projection output
@@ -43,8 +59,6 @@ def test_fused_equals_rope_then_store(triton_device, fmt, with_norm, hq, hkv, d)
     cos, sin = rope_tables(d, 64, triton_device)
     positions = torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(2))
     positions = positions.to(triton_device)
-    slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(3))[:tokens]
-    slots[::4] = -1  # tokens that write nothing (padding rows, prefix hits)
     slots = slots.to(triton_device)
     norms = ((norm_weight(d, triton_device, dtype), norm_weight(d, triton_device, dtype, 4),
               1e-6) if with_norm else ())
@@ -71,6 +85,15 @@ def test_fused_equals_rope_then_store(triton_device, fmt, with_norm, hq, hkv, d)
     ts.qk_norm_rope_store(q, k, v, positions, cos, sin, torch.empty(0), torch.empty(0), slots,
                           *norms)
     assert torch.equal(q, split(want_qkv)[0])
+
+
+def test_v_apart_up_to_a_decode_steps_tokens(monkeypatch):
+    """V_APART holds for launches of up to V_APART_MAX_TOKENS tokens (where it measured
+    faster), never when off; a count only, so a captured graph replays one grid."""
+    assert ts.v_apart(1) and ts.v_apart(ts.V_APART_MAX_TOKENS)
+    assert not ts.v_apart(ts.V_APART_MAX_TOKENS + 1)
+    monkeypatch.setattr(ts, "V_APART", False)
+    assert not ts.v_apart(1)
 
 
 def test_the_fused_path_is_the_triton_engines():
