@@ -32,10 +32,11 @@ def caches(fmt: str, blocks: int, bs: int, hkv: int, d: int, dtype, device):
 
 
 @pytest.mark.parametrize("with_norm", [True, False], ids=["qk-norm", "no-norm"])
-@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 32), (6, 3, 48)], ids=["pow2", "odd-widths"])
 @pytest.mark.parametrize("apart", [True, False], ids=["v-apart", "v-with-k"])
-@pytest.mark.parametrize("pattern", ["scattered", "chunk"])
+@pytest.mark.parametrize("fmt,pattern", [*((f, "scattered") for f in FORMATS),
+                                         ("model-dtype", "chunk"),
+                                         ("fp8-token-v-transposed", "chunk")])
 def test_fused_equals_rope_then_store(triton_device, fmt, with_norm, hq, hkv, d, apart,
                                       pattern, monkeypatch):
     """`apart`: each token's V stored by a program of its own (triton_kv_store.V_APART) or
