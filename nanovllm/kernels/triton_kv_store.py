@@ -25,11 +25,12 @@ FP8_MAX = tl.constexpr(448.0)  # the largest float8 e4m3 value
 RUN_STORES = True
 RUN = tl.constexpr(16)
 # the fused RoPE + store (qk_norm_rope_store) of up to V_APART_MAX_TOKENS tokens (a decode
-# step's) stores each token's V from a program of its own, beside the ones rotating q and
-# k, instead of after the K's rotation and store in the same program, so the V's transposed
-# byte writes do not wait on the RoPE. On the H200 (benchmarks/kv_store.py, one layer, warm):
-# an fp8 decode step's 256 tokens 8.3 us against 10.6, a 256-token prefill chunk 11.7
-# against 13.4, but 16,384 tokens 200 against 192; the seed workload 1.005x (BENCHMARKS.md)
+# step's) into a V cache stored transposed stores each token's V from a program of its own,
+# beside the ones rotating q and k, instead of after the K's rotation and store in the same
+# program, so the V's byte writes do not wait on the RoPE. On the H200 (benchmarks/kv_store.py,
+# one layer, warm): an fp8 decode step's 256 tokens 8.3 us against 10.6, a 256-token prefill
+# chunk 11.7 against 13.4, but 16,384 tokens 200 against 192; the seed workload 1.005x
+# (BENCHMARKS.md)
 V_APART = True
 V_APART_MAX_TOKENS = 1024
 
@@ -282,7 +283,7 @@ def qk_norm_rope_store(
         return q, k
     assert v.shape == k.shape
     args, consts = launch
-    apart = v_apart(q.shape[0])
+    apart = v_apart(q.shape[0], v_cache)
     _rope_store_kernel[(q.shape[0], 3 if apart else 2)](
         *args, v, k_cache, v_cache, slot_mapping,
         *v.stride(), *k_cache.stride(), *v_cache.stride(),
@@ -291,10 +292,12 @@ def qk_norm_rope_store(
     return q, k
 
 
-def v_apart(num_tokens: int) -> bool:
+def v_apart(num_tokens: int, v_cache: torch.Tensor) -> bool:
     """Whether qk_norm_rope_store stores a launch's V from programs of their own (V_APART):
-    a number of tokens, so a captured graph replays the same grid."""
-    return V_APART and num_tokens <= V_APART_MAX_TOKENS
+    by its number of tokens, so a captured graph replays the same grid, over a V cache
+    stored transposed (an fp8 one; a bf16 decode step's store measured 2.7 us apart against
+    2.4)."""
+    return V_APART and num_tokens <= V_APART_MAX_TOKENS and v_transposed(v_cache)
 
 
 def store_kv(

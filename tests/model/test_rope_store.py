@@ -33,16 +33,17 @@ def caches(fmt: str, blocks: int, bs: int, hkv: int, d: int, dtype, device):
 
 @pytest.mark.parametrize("with_norm", [True, False], ids=["qk-norm", "no-norm"])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 32), (6, 3, 48)], ids=["pow2", "odd-widths"])
-@pytest.mark.parametrize("apart", [True, False], ids=["v-apart", "v-with-k"])
-@pytest.mark.parametrize("fmt,pattern", [*((f, "scattered") for f in FORMATS),
-                                         ("model-dtype", "chunk"),
-                                         ("fp8-token-v-transposed", "chunk")])
+@pytest.mark.parametrize("fmt,pattern,apart", [
+    *((f, "scattered", True) for f in FORMATS), ("model-dtype", "chunk", True),
+    # a transposed V's store both ways (triton_kv_store.V_APART), also over complete runs
+    *(("fp8-token-v-transposed", p, False) for p in ("scattered", "chunk")),
+    ("fp8-token-v-transposed", "chunk", True)])
 def test_fused_equals_rope_then_store(triton_device, fmt, with_norm, hq, hkv, d, apart,
                                       pattern, monkeypatch):
-    """`apart`: each token's V stored by a program of its own (triton_kv_store.V_APART) or
-    after its K; `pattern`: slots scattered (a decode step's), or a prefill chunk's
-    consecutive slots from mid-block, whose complete runs of 16 an fp8 V stored transposed
-    takes a run at a time (RUN_STORES)."""
+    """`apart`: each token's V stored by a program of its own where the V is stored
+    transposed (triton_kv_store.V_APART), or after its K; `pattern`: slots scattered (a
+    decode step's), or a prefill chunk's consecutive slots from mid-block, whose complete
+    runs of 16 an fp8 V stored transposed takes a run at a time (RUN_STORES)."""
     monkeypatch.setattr(ts, "V_APART", apart)
     bs, blocks = 16, 4
     if pattern == "scattered":
@@ -89,12 +90,16 @@ def test_fused_equals_rope_then_store(triton_device, fmt, with_norm, hq, hkv, d,
 
 
 def test_v_apart_up_to_a_decode_steps_tokens(monkeypatch):
-    """V_APART holds for launches of up to V_APART_MAX_TOKENS tokens (where it measured
-    faster), never when off; a count only, so a captured graph replays one grid."""
-    assert ts.v_apart(1) and ts.v_apart(ts.V_APART_MAX_TOKENS)
-    assert not ts.v_apart(ts.V_APART_MAX_TOKENS + 1)
+    """V_APART holds for launches of up to V_APART_MAX_TOKENS tokens into a transposed V
+    cache (where it measured faster), never when off or over a row-major V; a count and
+    the cache's layout only, so a captured graph replays one grid."""
+    _, v_t = caches("fp8-token-v-transposed", 2, 16, 2, 32, torch.float16, "cpu")
+    _, v_rows = caches("fp8-token", 2, 16, 2, 32, torch.float16, "cpu")
+    assert ts.v_apart(1, v_t) and ts.v_apart(ts.V_APART_MAX_TOKENS, v_t)
+    assert not ts.v_apart(ts.V_APART_MAX_TOKENS + 1, v_t)
+    assert not ts.v_apart(1, v_rows)
     monkeypatch.setattr(ts, "V_APART", False)
-    assert not ts.v_apart(1)
+    assert not ts.v_apart(1, v_t)
 
 
 def test_the_fused_path_is_the_triton_engines():
