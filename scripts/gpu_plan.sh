@@ -91,6 +91,8 @@
 #                                     # workload, fp8, alternating ROUNDS (2) of the defaults
 #                                     # and --gumbel-sampler after a warm-up run; VARIANTS
 #                                     # ("|--gumbel-sampler": flag sets split by |) for others
+#   bash scripts/gpu_plan.sh contexts # the fp8 decode over an engine step's contexts by rows
+#                                     # and context length, then the fp8 prefill's tiles
 #   bash scripts/gpu_plan.sh vapart   # each token's V stored from a program of its own in the
 #                                     # fused RoPE + store: GPU tests, kv_store.py both ways
 #                                     # (warm and --cold), the seed workload alternating
@@ -383,6 +385,12 @@ case "$stage" in
         offline sampler.log "round $round ${flags:-defaults}" fp8 $flags
       done
     done ;;
+  contexts)  # the fp8 decode over an engine step's contexts (benchmarks/decode_contexts.py,
+    # its first run), then the fp8 prefill's tiles on main's kernel (2 stages measured 3%
+    # faster over the V-scale-tile branch's)
+    timeout 120 python3 -m benchmarks.decode_contexts 2>&1 | tee "$OUT/contexts.log"
+    timeout 200 python3 -m benchmarks.attention --prefill --fp8 2>&1 \
+      | tee "$OUT/prefill_tiles.log" | grep -E "^-- |default|m64 n64 w4" ;;
   vapart)  # each token's V stored by a program of its own in the fused RoPE + store
     if [ -z "${SKIP_TESTS:-}" ]; then
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_rope_store.py \
