@@ -245,25 +245,19 @@ def _rope_store_kernel(
             stride_sin, eps, NUM_Q_HEADS, NUM_K_HEADS, HALF, BLOCK_QH, BLOCK_KH, BLOCK_HALF,
             HAS_NORM,
         )
-    if which == 1:
-        tl.debug_barrier()  # the rotated K, written by every thread of this program
-        _store_token(
-            tok, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-            stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-            stride_kcb, stride_kcs, stride_kch, stride_kcd,
-            stride_vcb, stride_vcs, stride_vch, stride_vcd,
-            NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, K_PLANE,
-            RUN_STORE, 1 if V_APART else 0,
-        )
-    if V_APART:
-        if which == 2:
+    # the store: (token, 1) after its K's rotation (a barrier: every thread of the program
+    # wrote it), K alone with V_APART, (token, 2) the V meanwhile; one call site, unrolled
+    for part in tl.static_range(1, 3 if V_APART else 2):
+        if which == part:
+            if part == 1:
+                tl.debug_barrier()
             _store_token(
                 tok, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                 stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
                 stride_kcb, stride_kcs, stride_kch, stride_kcd,
                 stride_vcb, stride_vcs, stride_vch, stride_vcd,
                 NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, K_PLANE,
-                RUN_STORE, 2,
+                RUN_STORE, part if V_APART else 0,
             )
 
 
@@ -283,21 +277,22 @@ def qk_norm_rope_store(
         return q, k
     assert v.shape == k.shape
     args, consts = launch
-    apart = v_apart(q.shape[0], v_cache)
+    store = _store_consts(k, k_cache, v_cache)
+    apart = v_apart(q.shape[0], store["V_T"])
     _rope_store_kernel[(q.shape[0], 3 if apart else 2)](
         *args, v, k_cache, v_cache, slot_mapping,
         *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        **consts, **_store_consts(k, k_cache, v_cache), **pdl_launch(k), V_APART=apart,
+        **consts, **store, **pdl_launch(k), V_APART=apart,
     )
     return q, k
 
 
-def v_apart(num_tokens: int, v_cache: torch.Tensor) -> bool:
+def v_apart(num_tokens: int, v_t: bool) -> bool:
     """Whether qk_norm_rope_store stores a launch's V from programs of their own (V_APART):
     by its number of tokens, so a captured graph replays the same grid, over a V cache
-    stored transposed (an fp8 one; a bf16 decode step's store measured 2.7 us apart against
-    2.4)."""
-    return V_APART and num_tokens <= V_APART_MAX_TOKENS and v_transposed(v_cache)
+    stored transposed (`v_t`, the store's V_T flag: an fp8 one; a bf16 decode step's store
+    measured 2.7 us apart against 2.4)."""
+    return V_APART and num_tokens <= V_APART_MAX_TOKENS and v_t
 
 
 def store_kv(

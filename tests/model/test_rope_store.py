@@ -95,6 +95,7 @@ def test_v_apart_up_to_a_decode_steps_tokens(monkeypatch):
     the cache's layout only, so a captured graph replays one grid."""
     _, v_t = caches("fp8-token-v-transposed", 2, 16, 2, 32, torch.float16, "cpu")
     _, v_rows = caches("fp8-token", 2, 16, 2, 32, torch.float16, "cpu")
+    v_t, v_rows = ta.v_transposed(v_t), ta.v_transposed(v_rows)  # the store's V_T flag
     assert ts.v_apart(1, v_t) and ts.v_apart(ts.V_APART_MAX_TOKENS, v_t)
     assert not ts.v_apart(ts.V_APART_MAX_TOKENS + 1, v_t)
     assert not ts.v_apart(1, v_rows)
