@@ -59,14 +59,10 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
+from nanovllm.kernels.triton_e4m3 import _rows_to_e4m3, _to_e4m3
 
 # the backend's other entry point, and the cache-format flags both files launch with
-from nanovllm.kernels.triton_kv_store import (  # noqa: F401
-    _fp8_flags,
-    _rows_to_e4m3,
-    _to_e4m3,
-    store_kv,
-)
+from nanovllm.kernels.triton_kv_store import _fp8_flags, store_kv  # noqa: F401
 from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
 LOG2E = 1.4426950408889634

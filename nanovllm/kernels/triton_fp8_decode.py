@@ -47,7 +47,8 @@ from nanovllm.kernels.triton_attention import (
     reduce_splits,
     split_partials,
 )
-from nanovllm.kernels.triton_kv_store import _fp8_flags, _rows_to_e4m3, _to_e4m3
+from nanovllm.kernels.triton_e4m3 import _rows_to_e4m3, _to_e4m3
+from nanovllm.kernels.triton_kv_store import _fp8_flags
 
 BLOCK_N = FP8_MMA_TILE  # positions a tile, as fp8_attention's prefill (one 128-token block)
 
