@@ -97,6 +97,11 @@
 #                                     # fused RoPE + store: GPU tests, kv_store.py both ways
 #                                     # (warm and --cold), the seed workload alternating
 #                                     # ROUNDS (3) of the defaults and --v-with-k
+#   bash scripts/gpu_plan.sh runheads # a complete run's V heads stored one a program by its first
+#                                     # tokens' programs (triton_kv_store.RUN_HEADS, off,
+#                                     # prepared): kv_store.py with --run-heads and without
+#                                     # (decode 256, prefill 256 and 16,384; warm and --cold),
+#                                     # then the GPU tests (both ways)
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -118,6 +123,19 @@ offline() {  # offline LOG LABEL DTYPE [FLAGS...]: one seed-workload run (every 
   shift 3
   timeout "${OFFLINE_S:-90}" python3 -m benchmarks.offline --no-peer --kv-cache-dtype "$dtype" \
     "$@" 2>&1 | grep -E "^nano-vLLM  |run [0-9]" | sed "s/^/$label: /" | tee -a "$OUT/$log"
+}
+store_ab() {  # store_ab LOG FLAGS...: kv_store.py's decode and prefill steps, warm then
+  # --cold, once with each of FLAGS (one flag or none, ""), into $OUT/LOG, each line labelled
+  local log=$1 cold flags
+  shift
+  for cold in "" "--cold"; do
+    for flags in "$@"; do
+      # shellcheck disable=SC2086
+      timeout 100 python3 -m benchmarks.kv_store --tokens 256 16384 --pattern decode prefill \
+        $cold $flags 2>&1 | grep -E "bf16|V_T" | sed "s/^/${flags:-defaults}${cold:+ cold}: /" \
+        | tee -a "$OUT/$log"
+    done
+  done
 }
 case "$stage" in
   tests)
@@ -397,19 +415,19 @@ case "$stage" in
         tests/model/test_triton_fp8.py tests/engine/test_fp8_kv.py 2>&1 | tail -3 \
         | tee "$OUT/vapart_tests.log"
     fi
-    for cold in "" "--cold"; do
-      for flags in "" "--v-with-k"; do
-        # shellcheck disable=SC2086
-        timeout 100 python3 -m benchmarks.kv_store --tokens 256 16384 --pattern decode prefill \
-          $cold $flags 2>&1 | grep -E "bf16|V_T" | sed "s/^/${flags:-apart}${cold:+ cold}: /" \
-          | tee -a "$OUT/vapart_store.log"
-      done
-    done
+    store_ab vapart_store.log "" --v-with-k
     offline vapart.log "warm-up, not counted" fp8
     for round in $(seq "${ROUNDS:-3}"); do
       offline vapart.log "round $round defaults" fp8
       offline vapart.log "round $round --v-with-k" fp8 --v-with-k
     done ;;
+  runheads)
+    store_ab runheads_store.log --run-heads ""
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_rope_store.py \
+        tests/model/test_triton_fp8.py tests/engine/test_fp8_kv.py 2>&1 | tail -2 \
+        | tee "$OUT/runheads_tests.log"
+    fi ;;
   syncs)
     for dtype in auto fp8; do
       timeout 120 python3 -m benchmarks.offline --no-peer --sync-debug --kv-cache-dtype $dtype \

@@ -24,6 +24,11 @@ from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 # 108 us a layer instead of 280 (benchmarks/kv_store.py --pattern prefill; BENCHMARKS.md)
 RUN_STORES = True
 RUN = tl.constexpr(16)
+# a complete run's V heads written by as many of its tokens' programs, one head each, not
+# all by its first token's program one after another, and a run's tokens reading no V of
+# their own: off, prepared but not measured (a 16,384-token prefill step's fp8 store runs at
+# ~5% of its bytes' write bound; BENCHMARKS.md, fifteenth session)
+RUN_HEADS = False
 # the fused RoPE + store (qk_norm_rope_store) of up to V_APART_MAX_TOKENS tokens (a decode
 # step's) into a V cache stored transposed stores each token's V from a program of its own,
 # beside the ones rotating q and k, instead of after the K's rotation and store in the same
@@ -46,6 +51,7 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
     V_T: tl.constexpr = False, K_PLANE: tl.constexpr = False,
     RUN_STORE: tl.constexpr = False, PDL: tl.constexpr = False,
+    RUN_HEADS: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     _store_token(
@@ -54,7 +60,7 @@ def _store_kv_kernel(
         stride_kcb, stride_kcs, stride_kch, stride_kcd,
         stride_vcb, stride_vcs, stride_vch, stride_vcd,
         NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, K_PLANE,
-        RUN_STORE,
+        RUN_STORE, RUN_HEADS=RUN_HEADS,
     )
 
 
@@ -68,6 +74,7 @@ def _store_token(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
     V_T: tl.constexpr, K_PLANE: tl.constexpr, RUN_STORE: tl.constexpr, PART: tl.constexpr = 0,
+    RUN_HEADS: tl.constexpr = False,
 ):
     # token `tok`'s K/V [heads, head_dim] into its slot (-1: none); PART 1: its K only, 2:
     # its V only (the fused kernel's programs apart), 0: both
@@ -97,19 +104,30 @@ def _store_token(
             tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
                      k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     if PART != 1:
-        v = tl.load(v_ptr + src * stride_vt + offs_h[:, None] * stride_vh
-                    + offs_d[None, :] * stride_vd, mask=mask)
+        v_at = v_ptr + src * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd
+        # RUN_HEADS, in a launch's store of many tokens (not a decode step's V program, PART
+        # 2, whose load goes beside its slots' rather than a step after them): a token reads
+        # its V only where it stores it; otherwise every token reads its V at once
+        late: tl.constexpr = RUN_HEADS and PART != 2 and FP8 and V_T and RUN_STORE
+        if not late:
+            v = tl.load(v_at, mask=mask)
         vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs
         if FP8:
-            if V_T and RUN_STORE:  # a complete run's first token writes its V, the others none
+            if V_T and RUN_STORE:
+                # a complete run's V is written 16 bytes a row: head h by the program of the
+                # run's (h mod RUN)-th token (RUN_HEADS), or every head by its first token's;
+                # a token outside one writes its own
                 lead, complete = _complete_run(slot_ptr, tok, slot, tl.num_programs(0))
-                if complete & (tok == lead):
+                if complete & ((tok - lead < NUM_HEADS) if RUN_HEADS else (tok == lead)):
                     first = tl.multiple_of(off - off % RUN, RUN)  # said: the stores vectorize
                     run_at = v_cache_ptr + blk * stride_vcb + first * stride_vcs
                     _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at,
-                                 stride_vch, stride_vcd, NUM_HEADS, HEAD_DIM, BLOCK_D, SCALED)
+                                 stride_vch, stride_vcd, tok - lead, NUM_HEADS, HEAD_DIM,
+                                 BLOCK_D, SCALED, RUN_HEADS)
                 heads = tl.where((slot >= 0) & (complete == 0), NUM_HEADS, 0)
                 v_mask = (offs_h[:, None] < heads) & (offs_d[None, :] < HEAD_DIM)
+                if late:
+                    v = tl.load(v_at, mask=v_mask)
                 _store_fp8(vc, vc + HEAD_DIM * stride_vcd, v, v_mask, offs_h < heads, offs_h,
                            offs_d, stride_vch, stride_vcd, HEAD_DIM, SCALED, V_T)
             else:
@@ -138,21 +156,35 @@ def _complete_run(slot_ptr, tok, slot, num_tokens):
 
 @triton.jit
 def _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h, stride_d,
-                 NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 SCALED: tl.constexpr):
+                 mine, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, SCALED: tl.constexpr, RUN_HEADS: tl.constexpr):
     # the V of RUN tokens from `lead` into a transposed cache at `run_at` (their first
-    # position): per head, _store_fp8 with the run's positions as its rows, a byte apart, so
-    # each of a head's rows takes the run's RUN bytes in one store
+    # position), every head, or (RUN_HEADS) heads mine, mine + RUN, ...: per head,
+    # _store_fp8 with the run's positions as its rows, a byte apart, so each of a head's rows
+    # takes the run's RUN bytes in one store
+    if RUN_HEADS:
+        for h in range(mine, NUM_HEADS, RUN):
+            _store_v_run_head(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h,
+                              stride_d, h, HEAD_DIM, BLOCK_D, SCALED)
+    else:
+        for h in tl.static_range(NUM_HEADS):
+            _store_v_run_head(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h,
+                              stride_d, h, HEAD_DIM, BLOCK_D, SCALED)
+
+
+@triton.jit
+def _store_v_run_head(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h,
+                      stride_d, h, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      SCALED: tl.constexpr):
     offs_t = tl.arange(0, RUN)
     offs_d = tl.arange(0, BLOCK_D)
     dim_ok = offs_d[None, :] < HEAD_DIM
     rows = (lead + offs_t).to(tl.int64)
-    for h in tl.static_range(NUM_HEADS):
-        x = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :] * stride_vd,
-                    mask=dim_ok, other=0.0)  # [RUN, D]
-        head_at = run_at + h * stride_h
-        _store_fp8(head_at, head_at, x, dim_ok, offs_t < RUN, offs_t, offs_d, 1, stride_d,
-                   HEAD_DIM, SCALED, True)
+    x = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :] * stride_vd,
+                mask=dim_ok, other=0.0)  # [RUN, D]
+    head_at = run_at + h * stride_h
+    _store_fp8(head_at, head_at, x, dim_ok, offs_t < RUN, offs_t, offs_d, 1, stride_d,
+               HEAD_DIM, SCALED, True)
 
 
 @triton.jit
@@ -200,6 +232,7 @@ def _rope_store_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
     V_T: tl.constexpr = False, K_PLANE: tl.constexpr = False,
     RUN_STORE: tl.constexpr = False, PDL: tl.constexpr = False, V_APART: tl.constexpr = False,
+    RUN_HEADS: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     # program (token, 0) rotates the token's q heads; (token, 1) its k heads, then stores the
@@ -225,7 +258,7 @@ def _rope_store_kernel(
                 stride_kcb, stride_kcs, stride_kch, stride_kcd,
                 stride_vcb, stride_vcs, stride_vch, stride_vcd,
                 NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, K_PLANE,
-                RUN_STORE, part if V_APART else 0,
+                RUN_STORE, part if V_APART else 0, RUN_HEADS,
             )
 
 
@@ -290,7 +323,8 @@ def _store_consts(k: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
     return dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                 BLOCK_H=triton.next_power_of_2(num_heads),
                 BLOCK_D=triton.next_power_of_2(head_dim),
-                RUN_STORE=RUN_STORES and flags["FP8"] and flags["V_T"], **flags)
+                RUN_STORE=RUN_STORES and flags["FP8"] and flags["V_T"], RUN_HEADS=RUN_HEADS,
+                **flags)
 
 
 def _fp8_flags(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,

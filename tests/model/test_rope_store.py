@@ -33,18 +33,21 @@ def caches(fmt: str, blocks: int, bs: int, hkv: int, d: int, dtype, device):
 
 @pytest.mark.parametrize("with_norm", [True, False], ids=["qk-norm", "no-norm"])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 32), (6, 3, 48)], ids=["pow2", "odd-widths"])
-@pytest.mark.parametrize("fmt,pattern,apart", [
-    *((f, "scattered", True) for f in FORMATS), ("model-dtype", "chunk", True),
-    # a transposed V's store both ways (triton_kv_store.V_APART), also over complete runs
-    *(("fp8-token-v-transposed", p, False) for p in ("scattered", "chunk")),
-    ("fp8-token-v-transposed", "chunk", True)])
+@pytest.mark.parametrize("fmt,pattern,apart,run_heads", [
+    *((f, "scattered", True, False) for f in FORMATS), ("model-dtype", "chunk", True, False),
+    # a transposed V's store both ways (triton_kv_store.V_APART), also over complete runs,
+    # whose heads go one a program (RUN_HEADS) or all from the run's first token's
+    *(("fp8-token-v-transposed", p, False, False) for p in ("scattered", "chunk")),
+    *(("fp8-token-v-transposed", "chunk", a, h) for a, h in
+      ((True, False), (True, True), (False, True)))])
 def test_fused_equals_rope_then_store(triton_device, fmt, with_norm, hq, hkv, d, apart,
-                                      pattern, monkeypatch):
+                                      pattern, run_heads, monkeypatch):
     """`apart`: each token's V stored by a program of its own where the V is stored
     transposed (triton_kv_store.V_APART), or after its K; `pattern`: slots scattered (a
     decode step's), or a prefill chunk's consecutive slots from mid-block, whose complete
     runs of 16 an fp8 V stored transposed takes a run at a time (RUN_STORES)."""
     monkeypatch.setattr(ts, "V_APART", apart)
+    monkeypatch.setattr(ts, "RUN_HEADS", run_heads)
     bs, blocks = 16, 4
     if pattern == "scattered":
         tokens = 11

@@ -281,14 +281,17 @@ def assert_same_bytes(got: torch.Tensor, want: torch.Tensor, dev: str, what: str
         torch.testing.assert_close(a, b, rtol=0.13, atol=1e-6)
 
 
+@pytest.mark.parametrize("run_heads", [True, False], ids=["head-a-token", "heads-in-one"])
 @pytest.mark.parametrize("k_plane", [False, True], ids=["k-rows", "k-scale-plane"])
-def test_run_stores_write_the_reference_bytes(triton_device, k_plane, monkeypatch):
+def test_run_stores_write_the_reference_bytes(triton_device, k_plane, run_heads, monkeypatch):
     """With triton_kv_store.RUN_STORES a prefill chunk's complete runs of 16 slots are
-    written by their first token's program, 16 bytes a row: the same bytes as token by
-    token, beside partial runs, skipped tokens, a chunk starting mid-run and decode
-    tokens; K's rows or scale plane as the store without runs writes them."""
+    written 16 bytes a row, each head by one of the run's first tokens' programs (RUN_HEADS)
+    or all by the first's: the same bytes as token by token, beside partial runs, skipped
+    tokens, a chunk starting mid-run and decode tokens; K's rows or scale plane as the
+    store without runs writes them."""
     ts = triton_module("nanovllm.kernels.triton_kv_store")
     monkeypatch.setattr(ts, "RUN_STORES", True)
+    monkeypatch.setattr(ts, "RUN_HEADS", run_heads)
     heads, dim, bs, blocks = 2, 64, 32, 8
     # a prompt of 37 from slot 0, one of 40 from slot 5 of block 3, two decode tokens, and
     # a padding token (slot -1) between them
