@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.torch_attention import k_scale_plane, v_transposed
-from nanovllm.kernels.triton_e4m3 import FP8_MAX, _round_e4m3
+from nanovllm.kernels.triton_e4m3 import _store_fp8
+from nanovllm.kernels.triton_kv_runs import RUN, _complete_run, _store_v_run
 from nanovllm.kernels.triton_ops import qk_norm_rope, qk_norm_rope_program, rope_launch
 from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
@@ -23,7 +24,6 @@ from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 # its 132 bytes one at a time (`_complete_run`): a 16,384-token prefill step's fp8 store
 # 108 us a layer instead of 280 (benchmarks/kv_store.py --pattern prefill; BENCHMARKS.md)
 RUN_STORES = True
-RUN = tl.constexpr(16)
 # a complete run's V heads written by as many of its tokens' programs, one head each, not
 # all by its first token's program one after another, and a run's tokens reading no V of
 # their own: off, prepared but not measured (a 16,384-token prefill step's fp8 store runs at
@@ -136,84 +136,6 @@ def _store_token(
         else:
             tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd,
                      v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _complete_run(slot_ptr, tok, slot, num_tokens):
-    # -> (the token that leads token `tok`'s run, whether that run is complete: RUN tokens
-    # of this launch, from the lead on, at consecutive slots from a multiple of RUN, so all
-    # in one block and one sequence). Every token of a run computes the same answer
-    safe = tl.maximum(slot, 0)
-    lead = tok - safe % RUN
-    offs = tl.arange(0, RUN)
-    idx = lead + offs
-    inside = (idx >= 0) & (idx < num_tokens)
-    slots = tl.load(slot_ptr + tl.where(inside, idx, 0), mask=inside, other=-1)
-    same = (slots == (safe - safe % RUN) + offs) & inside
-    complete = (tl.sum(same.to(tl.int32), 0) == RUN) & (slot >= 0)
-    return lead, complete
-
-
-@triton.jit
-def _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h, stride_d,
-                 mine, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, SCALED: tl.constexpr, RUN_HEADS: tl.constexpr):
-    # the V of RUN tokens from `lead` into a transposed cache at `run_at` (their first
-    # position), every head, or (RUN_HEADS) heads mine, mine + RUN, ...: per head,
-    # _store_fp8 with the run's positions as its rows, a byte apart, so each of a head's rows
-    # takes the run's RUN bytes in one store
-    if RUN_HEADS:
-        for h in range(mine, NUM_HEADS, RUN):
-            _store_v_run_head(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h,
-                              stride_d, h, HEAD_DIM, BLOCK_D, SCALED)
-    else:
-        for h in tl.static_range(NUM_HEADS):
-            _store_v_run_head(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h,
-                              stride_d, h, HEAD_DIM, BLOCK_D, SCALED)
-
-
-@triton.jit
-def _store_v_run_head(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h,
-                      stride_d, h, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      SCALED: tl.constexpr):
-    offs_t = tl.arange(0, RUN)
-    offs_d = tl.arange(0, BLOCK_D)
-    dim_ok = offs_d[None, :] < HEAD_DIM
-    rows = (lead + offs_t).to(tl.int64)
-    x = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :] * stride_vd,
-                mask=dim_ok, other=0.0)  # [RUN, D]
-    head_at = run_at + h * stride_h
-    _store_fp8(head_at, head_at, x, dim_ok, offs_t < RUN, offs_t, offs_d, 1, stride_d,
-               HEAD_DIM, SCALED, True)
-
-
-@triton.jit
-def _store_fp8(cache, scale_at, x, mask, head_mask, offs_h, offs_d, stride_h, stride_d,
-               HEAD_DIM: tl.constexpr, SCALED: tl.constexpr, PLANES: tl.constexpr):
-    # the torch reference's quantize_fp8: float8 e4m3 bytes, then (SCALED) each head's
-    # float32 scale amax / 448 at `scale_at` (head 0's; the 4 bytes after its values, or a
-    # K cache's scale plane). In a cache stored
-    # transposed (PLANES: an fp8 V cache, worker/kv_cache.py) those 4 bytes are stride_d
-    # apart, each in its own row of the block
-    # NaN stored as 0, +-inf as +-float32 max, as the reference does: the cache holds finite
-    # bytes only, which the attention of a V cache stored transposed relies on
-    x = x.to(tl.float32)
-    x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -3.4028234663852886e38),
-                   3.4028234663852886e38)
-    if SCALED:
-        scale = tl.maximum(tl.max(tl.abs(tl.where(mask, x, 0.0)), 1), 1e-12) / FP8_MAX
-        x = x / scale[:, None]
-        if PLANES:
-            bits = scale.to(tl.int32, bitcast=True)
-            for j in tl.static_range(4):
-                tl.store(cache + offs_h * stride_h + (HEAD_DIM + j) * stride_d,
-                         ((bits >> (8 * j)) & 0xFF).to(tl.uint8), mask=head_mask)
-        else:
-            scale_ptr = (scale_at + offs_h * stride_h).to(tl.pointer_type(tl.float32))
-            tl.store(scale_ptr, scale, mask=head_mask)
-    x = _round_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
-    tl.store(cache + offs_h[:, None] * stride_h + offs_d[None, :] * stride_d,
-             x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
 
 
 @triton.jit
