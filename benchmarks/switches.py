@@ -20,11 +20,11 @@ SWITCHES = {
         "nanovllm.kernels.triton_kv_store", "RUN_STORES", False,
         "a transposed fp8 V stored token by token, not a prefill chunk's complete runs of 16 "
         "slots 16 bytes a row (triton_kv_store.RUN_STORES off; before 2026-12-02)"),
-    "--run-heads": (
-        "nanovllm.kernels.triton_kv_store", "RUN_HEADS", True,
-        "a complete run's V heads stored one a program by its first tokens' programs, not all "
-        "by its first token's, and its tokens reading no V of their own "
-        "(triton_kv_store.RUN_HEADS on; prepared 2026-12-02, not measured)"),
+    "--no-run-heads": (
+        "nanovllm.kernels.triton_kv_store", "RUN_HEADS", False,
+        "a complete run's V heads all stored by its first token's program one after another, "
+        "its tokens reading their V too, not one head a program by its first tokens' programs "
+        "(triton_kv_store.RUN_HEADS off; before 2026-12-02)"),
     "--v-with-k": (
         "nanovllm.kernels.triton_kv_store", "V_APART", False,
         "the fused RoPE + store writes each token's V after its K's rotation and store, in the "

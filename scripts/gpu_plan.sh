@@ -98,10 +98,12 @@
 #                                     # (warm and --cold), the seed workload alternating
 #                                     # ROUNDS (3) of the defaults and --v-with-k
 #   bash scripts/gpu_plan.sh runheads # a complete run's V heads stored one a program by its first
-#                                     # tokens' programs (triton_kv_store.RUN_HEADS, off,
-#                                     # prepared): kv_store.py with --run-heads and without
+#                                     # tokens' programs (triton_kv_store.RUN_HEADS, on):
+#                                     # kv_store.py as the defaults and --no-run-heads
 #                                     # (decode 256, prefill 256 and 16,384; warm and --cold),
-#                                     # then the GPU tests (both ways)
+#                                     # then the seed workload, fp8, alternating ROUNDS (0)
+#                                     # of the defaults and --no-run-heads after a warm-up
+#                                     # run, then the GPU tests (both ways; SKIP_TESTS=1)
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -422,7 +424,14 @@ case "$stage" in
       offline vapart.log "round $round --v-with-k" fp8 --v-with-k
     done ;;
   runheads)
-    store_ab runheads_store.log --run-heads ""
+    store_ab runheads_store.log "" --no-run-heads
+    if [ "${ROUNDS:-0}" -gt 0 ]; then
+      offline runheads.log "warm-up, not counted" fp8
+      for round in $(seq "$ROUNDS"); do
+        offline runheads.log "round $round defaults" fp8
+        offline runheads.log "round $round --no-run-heads" fp8 --no-run-heads
+      done
+    fi
     if [ -z "${SKIP_TESTS:-}" ]; then
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_rope_store.py \
         tests/model/test_triton_fp8.py tests/engine/test_fp8_kv.py 2>&1 | tail -2 \

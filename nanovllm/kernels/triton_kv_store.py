@@ -26,9 +26,10 @@ from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 RUN_STORES = True
 # a complete run's V heads written by as many of its tokens' programs, one head each, not
 # all by its first token's program one after another, and a run's tokens reading no V of
-# their own: off, prepared but not measured (a 16,384-token prefill step's fp8 store runs at
-# ~5% of its bytes' write bound; BENCHMARKS.md, fifteenth session)
-RUN_HEADS = False
+# their own. On the H200 (benchmarks/kv_store.py, one layer, warm, fused RoPE + store): a
+# 256-token prefill chunk 4.8 us against 11.8, a 16,384-token prefill step 176 against 191;
+# the seed workload 1.006x (BENCHMARKS.md, sixteenth session)
+RUN_HEADS = True
 # the fused RoPE + store (qk_norm_rope_store) of up to V_APART_MAX_TOKENS tokens (a decode
 # step's) into a V cache stored transposed stores each token's V from a program of its own,
 # beside the ones rotating q and k, instead of after the K's rotation and store in the same

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.kernels import cpu_native
 from tests.support import greedy, make_prompts
 
 pytestmark = pytest.mark.gpu
@@ -88,7 +89,9 @@ def test_engines_on_one_gpu_and_the_cpu_each_get_their_settings(tiny_model, gree
     assert fast.engine.runner.graphs is not None and fast.engine.config.kernels == "triton"
     assert eager.engine.runner.graphs is None and eager.engine.config.kernels == "torch"
     assert eager.engine.config.attention_backend == "triton"
-    assert cpu.engine.config.kernels == cpu.engine.config.attention_backend == "torch"
+    # the CPU's own: the C kernels where its compiler builds them (kernels/cpu_native.py)
+    cpu_kernels = "torch" if cpu_native.available() else "native"
+    assert cpu.engine.config.kernels == cpu.engine.config.attention_backend == cpu_kernels
     prompts = make_prompts(seed=13, count=6)
     expected = [greedy_reference(p, GREEDY.max_tokens) for p in prompts]
     for llm in (fast, eager, cpu, fast):
