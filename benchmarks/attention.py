@@ -17,6 +17,8 @@
     python -m benchmarks.attention --group-rows  # decode dots over 16 rows or the GQA group's
     python -m benchmarks.attention --skip-past  # the fp8 decode's last tiles read to the end
     python -m benchmarks.attention --fp8-splits  # the fp8 decode's splits at small batches
+    python -m benchmarks.attention --fresh  # prefill rows reading their own positions from
+                                            # the step's K/V, both caches, against the cache
     (--fp8-registers, --decode-buffers, --kv-layouts, --group-rows, --skip-past, --fp8-splits:
     benchmarks/decode_tiles.py)
 
@@ -112,6 +114,22 @@ class Batch:
         pairs = sum(sum(range(c - q + 1, c + 1)) for q, c in rows)
         self.flops = 4 * HQ * D * pairs
         self._expected = None
+
+    def fresh(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's K/V as the engine would pass them with kernels.FRESH_PREFILL: each
+        query token's own position's values (the cache's, dequantized), [T, Hkv, D] bf16."""
+        from nanovllm.kernels import torch_attention as torch_backend
+
+        blocks = torch.arange(self.k_cache.shape[0], device=self.k_cache.device)
+        bs = self.block_size
+        tables = self.meta.block_tables.long()
+        slots = torch.cat([tables[i, pos // bs] * bs + pos % bs for i, (q, c) in
+                           enumerate(self.rows)
+                           for pos in [torch.arange(c - q, c, device=tables.device)]])
+        return tuple(
+            (torch_backend.dequantize_fp8(torch_backend._blocks(c, blocks), D, DTYPE)
+             if c.dtype == torch.uint8 else c).reshape(-1, HKV, D)[slots].contiguous()
+            for c in (self.k_cache, self.v_cache))
 
     def expected(self) -> torch.Tensor:
         from nanovllm.kernels import torch_attention as torch_backend
@@ -362,6 +380,33 @@ def prefill_sweep(table: Table, kv: str = "bf16") -> None:
     run_sdpa(table, "prefill 8x512 contiguous", 8, 512)
 
 
+def fresh_table(table: Table) -> None:
+    """The prefill over each cache reading the rows' own positions from this step's K/V
+    (paged_attention's `fresh`, kernels.FRESH_PREFILL) against reading the cache, at the
+    engine's tiles and a few others: a seed prefill step, 8 x 512, and 8 chunks of 512
+    after 1,536 cached positions (blocks of 16 for bf16, 128 for fp8, as the engine's)."""
+    from nanovllm.kernels import triton_attention as tb
+
+    for kv in ("bf16", "fp8-token"):
+        bs = 16 if kv == "bf16" else 128
+        for case, rows in ((f"seed prefill step {kv}", seed_prefill_rows()),
+                           (f"prefill 8x512 {kv}", [(512, 512)] * 8),
+                           (f"chunk 8x512 after 1536 {kv}", [(512, 2048)] * 8)):
+            print(f"\n-- {case}")
+            if not (batch := make_batch(table, case, rows, bs, kv)):
+                continue
+            fresh = batch.fresh()
+            run_triton(table, case, "cache (default)", batch)
+            run_triton(table, case, "fresh (default tiles)", batch, fresh=fresh)
+            for block_m, block_n, warps, stages in ((64, 64, 4, 3), (128, 32, 8, 3),
+                                                    (128, 64, 8, 3), (128, 32, 8, 2),
+                                                    (64, 32, 4, 3), (128, 64, 8, 2)):
+                cfg = tb.TileConfig(block_m, block_n, warps, stages)
+                run_triton(table, case, f"fresh m{block_m} n{block_n} w{warps} s{stages}",
+                           batch, fresh=fresh, prefill_config=cfg)
+            del batch, fresh
+
+
 def fp8_table(table: Table, block_sizes: tuple[int, ...] = (256,), sweeps: bool = True) -> None:
     """The same batches over a bf16 cache and both fp8 formats (GB/s counts each format's own
     bytes, so equal GB/s means the fp8 run took about half the time), at each cache block
@@ -523,6 +568,7 @@ ONLY = (
     ("--group-rows", "only both caches' decode with dots of 16 rows against the group's"),
     ("--skip-past", "only the fp8 decode reading its last tiles to the end or whole"),
     ("--fp8-splits", "only the fp8 decode's split counts at small batches"),
+    ("--fresh", "only the prefill reading each row's own positions from its K/V (fresh)"),
 )
 
 
@@ -555,7 +601,8 @@ def main() -> int:
               "fp8_registers": dt.fp8_register_table, "decode_buffers": dt.decode_buffers_table,
               "kv_layouts": dt.kv_layout_table, "k_plane": dt.k_plane_table,
               "group_rows": dt.group_rows_table,
-              "skip_past": dt.skip_past_table, "fp8_splits": dt.fp8_split_table}
+              "skip_past": dt.skip_past_table, "fp8_splits": dt.fp8_split_table,
+              "fresh": fresh_table}
     chosen = [fn for name, fn in tables.items() if getattr(args, name)]
     parts = chosen[:1] or (main_table, None if args.quick else sweeps)
     for part in parts:

@@ -30,6 +30,10 @@ SWITCHES = {
         "the fused RoPE + store writes each token's V after its K's rotation and store, in the "
         "same program, not from a program of its own (triton_kv_store.V_APART off; before "
         "2026-12-02)"),
+    "--fresh-prefill": (
+        "nanovllm.kernels", "FRESH_PREFILL", True,
+        "prefill rows attend over their own positions with the step's K/V as computed, the "
+        "cache only before them (kernels.FRESH_PREFILL on; prepared 2026-12-02, not measured)"),
     "--no-pdl": (
         "nanovllm.kernels.triton_pdl", "PDL", False,
         "the step's Triton kernels as plain launches, not programmatic dependent ones "

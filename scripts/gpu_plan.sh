@@ -105,6 +105,12 @@
 #                                     # then the seed workload, fp8, alternating ROUNDS (0)
 #                                     # of the defaults and --no-run-heads after a warm-up
 #                                     # run, then the GPU tests (both ways; SKIP_TESTS=1)
+#   bash scripts/gpu_plan.sh freshkv  # prefill rows reading their own positions from the step's
+#                                     # K/V (kernels.FRESH_PREFILL, off, prepared): its GPU
+#                                     # tests (SKIP_TESTS=1 skips them), attention.py --fresh
+#                                     # (SKIP_TABLE=1 skips it), then the seed workload,
+#                                     # DTYPES (fp8), alternating ROUNDS (0) of the defaults
+#                                     # and --fresh-prefill after a warm-up run
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -444,6 +450,25 @@ case "$stage" in
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_rope_store.py \
         tests/model/test_triton_fp8.py tests/engine/test_fp8_kv.py 2>&1 | tail -2 \
         | tee "$OUT/runheads_tests.log"
+    fi ;;
+  freshkv)  # kernels.FRESH_PREFILL (off, prepared)
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/model/test_fresh_prefill.py tests/engine/test_fp8_kv.py 2>&1 | tail -2 \
+        | tee "$OUT/freshkv_tests.log"
+    fi
+    if [ -z "${SKIP_TABLE:-}" ]; then
+      timeout 150 python3 -m benchmarks.attention --fresh 2>&1 | tee "$OUT/freshkv_attention.log" \
+        | grep -E "^(seed|prefill|chunk)" | tail -48
+    fi
+    if [ "${ROUNDS:-0}" -gt 0 ]; then
+      for dtype in ${DTYPES:-fp8}; do
+        offline freshkv.log "warm-up $dtype, not counted" "$dtype"
+        for round in $(seq "$ROUNDS"); do
+          offline freshkv.log "round $round $dtype defaults" "$dtype"
+          offline freshkv.log "round $round $dtype --fresh-prefill" "$dtype" --fresh-prefill
+        done
+      done
     fi ;;
   syncs)
     for dtype in auto fp8; do

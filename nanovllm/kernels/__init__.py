@@ -17,6 +17,13 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# prefill rows attend over their own positions with this step's K/V as computed (each
+# backend's paged_attention `fresh`), the cache only before them: an fp8 cache's prefill
+# then reads the chunk as a bf16 cache's does, instead of converting its bytes (on the H200
+# a seed prefill step's attention took 0.366 ms over fp8 against 0.243 over bf16,
+# triton_attention.default_prefill_config). Off: prepared, not measured; the engine reads
+# it when it picks its kernels (worker/model_runner.py)
+FRESH_PREFILL = False
 # norms, RoPE, SiLU (and the one-pass sampler)
 OPS = ("triton", "native", "torch", "compiled")
 ATTENTION = ("triton", "native", "torch")  # paged attention and the K/V store
@@ -42,15 +49,19 @@ class Kernels:
     # split-K partial products that add_rms_norm sums (triton_linear.py; Triton ops only);
     # None: their plain matmul
     split_k_linear: Callable | None = None
+    # Attention passes prefill steps' K/V to paged_attention as `fresh` (FRESH_PREFILL)
+    fresh_prefill: bool = False
 
 
 @functools.cache  # equal choices share callables (and compiled graphs)
 def select_kernels(ops: str = "torch", attention: str = "torch",
-                   fp8_attention: str = "off", split_k: bool = False) -> Kernels:
+                   fp8_attention: str = "off", split_k: bool = False,
+                   fresh_prefill: bool = False) -> Kernels:
     """The kernels for `ops` (one of OPS) and `attention` (one of ATTENTION); with
     `fp8_attention` ("q" | "qp") the attention over an fp8 cache runs on the fp8 tensor
     cores (kernels/triton_fp8_decode.py; the torch backend: its numerics); `split_k` (Triton
-    ops only): the split-K projections of triton_linear.py."""
+    ops only): the split-K projections of triton_linear.py; `fresh_prefill`: see
+    FRESH_PREFILL."""
     if ops not in OPS or attention not in ATTENTION:
         raise ValueError(f"unknown kernels ops={ops!r} attention={attention!r}")
     if split_k and ops != "triton":
@@ -85,4 +96,4 @@ def select_kernels(ops: str = "torch", attention: str = "torch",
     if split_k:
         from nanovllm.kernels.triton_linear import split_k_linear
     return Kernels(ops, attention, *fns, attn.store_kv, paged_attention, one_pass,
-                   fused_store, split_k_linear)
+                   fused_store, split_k_linear, fresh_prefill)

@@ -161,10 +161,13 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     fp8_attention: str = "off",
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of q ([T, Hq, D]) over each row's cached context; returns [T, Hq, D].
     `fp8_attention` ("q" | "qp", over an fp8 cache): in the numerics of the Triton kernels'
-    fp8 tensor-core path (`fp8_decode_reference`)."""
+    fp8 tensor-core path (`fp8_decode_reference`). `fresh`: this step's K and V ([T, Hkv,
+    D], as stored), which rows of more than one query token read for their own positions
+    instead of the cache (over an fp8 cache: the values before rounding)."""
     if fp8_attention != "off" and k_cache.dtype == torch.uint8:
         out = fp8_decode_reference(q, k_cache, v_cache, meta, scale,
                                    fp8_p=fp8_attention == "qp", decode_only=False)
@@ -187,8 +190,11 @@ def paged_attention(
         if n == 1:  # one decode token sees its whole context: no mask, two small matmuls
             out[starts[i]] = _decode_one(q[starts[i]], k, v, scale)
             continue
-        qi = q[starts[i] : starts[i] + n]
-        out[starts[i] : starts[i] + n] = _attend(qi, k, v, scale, offset=k.shape[0] - n)
+        own = slice(starts[i], starts[i] + n)
+        if fresh is not None:  # the row's own positions as computed, the cache's before them
+            k = torch.cat([k[: k.shape[0] - n], fresh[0][own].to(q.dtype)])
+            v = torch.cat([v[: v.shape[0] - n], fresh[1][own].to(q.dtype)])
+        out[own] = _attend(q[own], k, v, scale, offset=k.shape[0] - n)
     return out
 
 

@@ -613,12 +613,105 @@ def _reduce_kernel(
 # prefill / chunked prefill: one program per (query tile of one row, kv head)
 
 
+@triton.jit
+def _load_fresh(ptr, rows, valid, kv_head, offs_d, stride_t, stride_h, stride_d,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+                TRANSPOSED: tl.constexpr):
+    # a tile of this step's K or V ([T, Hkv, D], as computed) at tokens `rows`: [D, N] (K^T,
+    # TRANSPOSED) or [N, D]; MASKED: only where `valid`
+    at = ptr + kv_head * stride_h
+    if TRANSPOSED:
+        ptrs = at + rows[None, :].to(tl.int64) * stride_t + offs_d[:, None] * stride_d
+        pos_ok = valid[None, :]
+        dim_ok = offs_d[:, None] < HEAD_DIM
+    else:
+        ptrs = at + rows[:, None].to(tl.int64) * stride_t + offs_d[None, :] * stride_d
+        pos_ok = valid[:, None]
+        dim_ok = offs_d[None, :] < HEAD_DIM
+    if MASKED:
+        if HEAD_DIM == BLOCK_D:
+            x = tl.load(ptrs, mask=pos_ok, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=pos_ok & dim_ok, other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=dim_ok, other=0.0)
+    return x
+
+
+@triton.jit
+def _prefill_fresh(
+    q, acc, m_i, l_i, kn_ptr, vn_ptr, k_cache_ptr, v_cache_ptr, bt_row, q_start, q_len, t0,
+    tok, prefix, kv_head, offs_n, offs_d, scale_log2,
+    stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+    BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr, SCALED: tl.constexpr, FP8_ASM: tl.constexpr, V_T: tl.constexpr,
+    K_PLANE: tl.constexpr,
+):
+    # _prefill_kernel's tiles with FRESH. First the row's own positions, prefix + j, from
+    # this step's K/V (kn, vn, in q's dtype: a bf16 cache's bytes, an fp8 cache's before
+    # rounding), as over a bf16 cache: query token t sees j <= t
+    kv_len = tl.minimum(t0 + BLOCK_Q, q_len)
+    full_end = tl.minimum((t0 + 1) // BLOCK_N * BLOCK_N, kv_len)  # wholly at or before t0
+    no_scale = offs_n.to(tl.float32)
+    for j0 in range(0, full_end, BLOCK_N):
+        rows = q_start + j0 + offs_n
+        every = offs_n >= 0  # unmasked: unused
+        k = _load_fresh(kn_ptr, rows, every, kv_head, offs_d, stride_knt, stride_knh,
+                        stride_knd, HEAD_DIM, BLOCK_D, False, True)
+        v = _load_fresh(vn_ptr, rows, every, kv_head, offs_d, stride_vnt, stride_vnh,
+                        stride_vnd, HEAD_DIM, BLOCK_D, False, False)
+        acc, m_i, l_i = _softmax_step(q, k, v, no_scale, no_scale, acc, m_i, l_i, None,
+                                      scale_log2, False, False, DOT_PRECISION)
+    for j0 in range(full_end, kv_len, BLOCK_N):
+        j = j0 + offs_n
+        valid = j < kv_len
+        k = _load_fresh(kn_ptr, q_start + j, valid, kv_head, offs_d, stride_knt, stride_knh,
+                        stride_knd, HEAD_DIM, BLOCK_D, True, True)
+        v = _load_fresh(vn_ptr, q_start + j, valid, kv_head, offs_d, stride_vnt, stride_vnh,
+                        stride_vnd, HEAD_DIM, BLOCK_D, True, False)
+        allowed = valid[None, :] & (j[None, :] <= tok[:, None])
+        acc, m_i, l_i = _softmax_step(q, k, v, no_scale, no_scale, acc, m_i, l_i, allowed,
+                                      scale_log2, True, False, DOT_PRECISION)
+    # then the cache's positions before the row's (a cached prefix, earlier chunks), all
+    # before every query: the last tile masked at the prefix only. q is no longer needed in
+    # its own dtype, so the conversion the cache's tiles want happens here, once
+    if FP8_ASM:
+        q = _to_f16(q)
+    elif not FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    cached_full = prefix // BLOCK_N * BLOCK_N
+    for start in range(0, cached_full, BLOCK_N):
+        k, k_scale, v, v_scale = _load_tiles(
+            k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, start + offs_n < prefix, prefix,
+            kv_head, offs_d,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, FP8, SCALED, q.dtype,
+            kn_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
+        acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
+                                      scale_log2, False, SCALED, DOT_PRECISION)
+    for start in range(cached_full, prefix, BLOCK_N):
+        valid = start + offs_n < prefix
+        k, k_scale, v, v_scale = _load_tiles(
+            k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, prefix, kv_head, offs_d,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
+            kn_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
+        acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i,
+                                      valid[None, :], scale_log2, True, SCALED, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=["num_rows"])  # see _NO_RESPECIALIZE
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, kn_ptr, vn_ptr,
     qsl_ptr, ctx_ptr, bt_ptr, scale_log2, num_rows,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
+    stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt,
@@ -628,10 +721,13 @@ def _prefill_kernel(
     SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
     V_T: tl.constexpr = False, FP8_MMA: tl.constexpr = False, FP8_P: tl.constexpr = False,
-    EXACT: tl.constexpr = False, K_PLANE: tl.constexpr = False,
+    EXACT: tl.constexpr = False, K_PLANE: tl.constexpr = False, FRESH: tl.constexpr = False,
 ):
     # FP8_MMA (fp8_attention, over a transposed V cache): q in e4m3, a scale per row, and
-    # the tiles' bytes as they are go to the fp8 tensor cores (_softmax_step_fp8)
+    # the tiles' bytes as they are go to the fp8 tensor cores (_softmax_step_fp8).
+    # FRESH (paged_attention's `fresh`): the row's own positions (prefix ..) come from this
+    # step's K/V as computed, kn/vn [T, Hkv, D] in q's dtype, and only the earlier ones from
+    # the cache (_prefill_fresh)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Row i owns programs [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1), which holds
@@ -677,43 +773,52 @@ def _prefill_kernel(
     kv_end = prefix + tl.minimum(t0 + BLOCK_Q, q_len)
     # tiles wholly at or before the tile's first query position need no mask at all
     full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, kv_end)
-    if FP8_MMA:
-        q, q_scale = _rows_to_e4m3(q, EXACT)
-        row_scale = q_scale * scale_log2
-    elif FP8_ASM:  # an fp8 cache is read into float16 (see _load_kv_tile)
-        q = _to_f16(q)
-    elif not FP8:  # or into the query's dtype
-        q = q.to(k_cache_ptr.dtype.element_ty)
-    for start in range(0, full_end, BLOCK_N):
-        pos = start + offs_n
-        k, k_scale, v, v_scale = _load_tiles(
-            k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, pos < kv_end, kv_end, kv_head,
-            offs_d,
+    if FRESH:  # (not with FP8_MMA: paged_attention drops `fresh` for fp8_attention)
+        acc, m_i, l_i = _prefill_fresh(
+            q, acc, m_i, l_i, kn_ptr, vn_ptr, k_cache_ptr, v_cache_ptr, bt_row, q_start,
+            q_len, t0, tok, prefix, kv_head, offs_n, offs_d, scale_log2,
+            stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
-            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, FP8, SCALED, q.dtype,
-            q_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
+            stride_vd, BLOCK_Q, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, FP8,
+            SCALED, FP8_ASM, V_T, K_PLANE)
+    else:
         if FP8_MMA:
-            acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
-                                              row_scale, False, SCALED, FP8_P, EXACT)
-        else:
-            acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
-                                          scale_log2, False, SCALED, DOT_PRECISION)
-    # diagonal tiles: causal mask, and the context end (kv_end <= ctx) for the last one
-    for start in range(full_end, kv_end, BLOCK_N):
-        pos = start + offs_n
-        valid = pos < kv_end
-        k, k_scale, v, v_scale = _load_tiles(
-            k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, kv_end, kv_head, offs_d,
-            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
-            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
-            q_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
-        allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        if FP8_MMA:
-            acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i,
-                                              allowed, row_scale, True, SCALED, FP8_P, EXACT)
-        else:
-            acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed,
-                                          scale_log2, True, SCALED, DOT_PRECISION)
+            q, q_scale = _rows_to_e4m3(q, EXACT)
+            row_scale = q_scale * scale_log2
+        elif FP8_ASM:  # an fp8 cache is read into float16 (see _load_kv_tile)
+            q = _to_f16(q)
+        elif not FP8:  # or into the query's dtype
+            q = q.to(k_cache_ptr.dtype.element_ty)
+        for start in range(0, full_end, BLOCK_N):
+            pos = start + offs_n
+            k, k_scale, v, v_scale = _load_tiles(
+                k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, pos < kv_end, kv_end, kv_head,
+                offs_d,
+                stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+                stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, FP8, SCALED, q.dtype,
+                q_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
+            if FP8_MMA:
+                acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
+                                                  row_scale, False, SCALED, FP8_P, EXACT)
+            else:
+                acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
+                                              scale_log2, False, SCALED, DOT_PRECISION)
+        # diagonal tiles: causal mask, and the context end (kv_end <= ctx) for the last one
+        for start in range(full_end, kv_end, BLOCK_N):
+            pos = start + offs_n
+            valid = pos < kv_end
+            k, k_scale, v, v_scale = _load_tiles(
+                k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, kv_end, kv_head, offs_d,
+                stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+                stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
+                q_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
+            allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            if FP8_MMA:
+                acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i,
+                                                  allowed, row_scale, True, SCALED, FP8_P, EXACT)
+            else:
+                acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed,
+                                              scale_log2, True, SCALED, DOT_PRECISION)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_off[:, None] * stride_ot + heads[:, None] * stride_oh
@@ -737,6 +842,7 @@ def paged_attention(
     decode_config: TileConfig | None = None,
     longest_first: bool = LONGEST_FIRST,
     fp8_attention: str = "off",
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of q ([T, Hq, D], any strides) over each row's cached context; [T, Hq, D].
 
@@ -745,7 +851,11 @@ def paged_attention(
     the configs override tile sizes; `longest_first` starts the decode programs of the
     longest contexts first (same results, another order). `fp8_attention` ("q" | "qp",
     over an fp8 cache): decode rows run triton_fp8_decode's kernel, q (and P) in e4m3 on
-    the fp8 tensor cores. See the module docstring for what a launch bakes in.
+    the fp8 tensor cores. `fresh`: this step's K and V ([T, Hkv, D] each, in q's dtype, as
+    stored): prefill rows read their own positions from them, the earlier ones from the
+    cache (the same values over a cache of q's dtype; over an fp8 one, the values before
+    rounding); decode rows, and fp8_attention, read the cache only. See the module
+    docstring for what a launch bakes in.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -779,8 +889,11 @@ def paged_attention(
     if has_decode_rows:
         launch_decode()
     flags = _fp8_flags(k_cache, v_cache, head_dim, q)
+    if fp8_attention != "off":
+        fresh = None
+    # with `fresh` most tiles are this step's K/V, in q's dtype: a bf16 cache's tiles
     cfg = prefill_config or default_prefill_config(head_dim, meta.max_query_len, group,
-                                                    q.dtype, fp8=flags["FP8"])
+                                                    q.dtype, fp8=flags["FP8"] and fresh is None)
     if fp8_attention != "off":  # q (and P) in e4m3, over tiles of FP8_MMA_TILE positions
         if not (flags["FP8"] and flags["V_T"]) or k_cache.shape[1] % FP8_MMA_TILE:
             raise ValueError("fp8_attention needs an fp8 cache with V transposed, in blocks "
@@ -792,10 +905,22 @@ def paged_attention(
         raise ValueError(f"block_m={cfg.block_m} must be >= 16 and a multiple of {block_g}")
     block_q = cfg.block_m // block_g
     grid = (num_tokens // block_q + num_rows, num_kv_heads)
+    if fresh is None:
+        kn = vn = q  # unread (FRESH off)
+        fresh_strides = (0,) * 6
+    else:
+        kn, vn = fresh
+        if kn.shape != (num_tokens, num_kv_heads, head_dim) or vn.shape != kn.shape \
+                or kn.dtype != q.dtype or vn.dtype != q.dtype:
+            raise ValueError(f"fresh K/V must be [{num_tokens}, {num_kv_heads}, {head_dim}] in "
+                             f"{q.dtype}; got {tuple(kn.shape)} {kn.dtype}, "
+                             f"{tuple(vn.shape)} {vn.dtype}")
+        fresh_strides = (*kn.stride(), *vn.stride())
+        flags["FRESH"] = True
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out,
+        q, k_cache, v_cache, out, kn, vn,
         meta.query_start_loc, meta.context_lens, meta.block_tables, scale_log2, num_rows,
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        *q.stride(), *out.stride(), *fresh_strides, *k_cache.stride(), *v_cache.stride(),
         meta.block_tables.stride(0),
         GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim),
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=_block_n(cfg, k_cache, flags),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm import kernels as kernels_module
 from nanovllm.core.config import ResolvedConfig
 from nanovllm.core.host_tier import PreemptionCost
 from nanovllm.core.scheduler import ScheduledBatch
@@ -95,7 +96,8 @@ class ModelRunner:
             self.cpu_threads = CpuThreads.create()
         torch.manual_seed(config.seed)
         self.kernels = select_kernels(config.kernels, config.attention_backend,
-                                      config.fp8_attention, config.split_k)
+                                      config.fp8_attention, config.split_k,
+                                      kernels_module.FRESH_PREFILL)
         start = time.perf_counter()
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)

@@ -168,3 +168,39 @@ def test_triton_engine_on_fp8_equals_the_torch_one(tiny_llama, triton_device, k_
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert all(abs(la[k] - lb[k]) < 1e-4 for k in la)
+
+
+def test_fresh_prefill_engines(tiny_llama, triton_device, monkeypatch):
+    """kernels.FRESH_PREFILL: prefill rows attend over their own positions with the step's
+    K/V as computed. The Triton engine (on a CPU in Triton's interpreter) on an fp8 cache
+    gives the torch engine's tokens and log-probabilities, with shared prefixes cached and
+    prompts in chunks (the earlier positions from the cache); the prefill's first tokens
+    now see unrounded K/V, so their log-probabilities move; over a float32 cache, which
+    holds the same values, nothing moves."""
+    import nanovllm.kernels as kernels
+
+    prompts = make_prompts(seed=6, count=4, shared_prefix=20)  # a 16-token block shared
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+
+    def run(backend, fresh, kv="fp8"):
+        monkeypatch.setattr(kernels, "FRESH_PREFILL", fresh)
+        llm = LLM(str(tiny_llama), device=triton_device, dtype="float32", enforce_eager=True,
+                  kv_cache_dtype=kv, num_kv_blocks=64, block_size=16,
+                  max_num_batched_tokens=24, attention_backend=backend)
+        assert llm.engine.runner.kernels.fresh_prefill == fresh
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    def first_logprobs(outs):
+        return [max(o.outputs[0].logprobs[0].values()) for o in outs]
+
+    torch_on, triton_on = run("torch", True), run("triton", True)
+    for a, b in zip(torch_on, triton_on):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert all(abs(la[k] - lb[k]) < 1e-4 for k in la)
+    moved = [abs(x - y) for x, y in zip(first_logprobs(torch_on),
+                                        first_logprobs(run("torch", False)))]
+    assert max(moved) > 1e-4, "the fp8 prefill read the cache's rounded values"
+    same = [abs(x - y) for x, y in zip(first_logprobs(run("torch", True, "auto")),
+                                       first_logprobs(run("torch", False, "auto")))]
+    assert max(same) < 1e-5

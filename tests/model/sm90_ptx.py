@@ -11,6 +11,7 @@ folded and those divisible by 16 marked so (unless the kernel says do_not_specia
 Prints one JSON object per compiled launch: kernel, case, the PTX's loads by kind and width,
 its count of shared-memory stores, the shared memory it needs and, from the cubin (through
 the cuobjdump Triton ships), its registers a thread and bytes spilled to local memory.
+`--fresh` adds the prefill kernel with paged_attention's `fresh` over each cache.
 `--decode-tiles` instead compiles the decode kernels at the tiles benchmarks/attention.py
 --decode-buffers times, and says how many buffers each tile's K/V loads got. `--dump DIR`
 also writes each compiled launch's PTX, TTGIR (its loads' thread layouts) and cubin (SASS
@@ -84,7 +85,7 @@ def _signature(fn, args, kwargs):
 
 
 def record(kv_cache_dtype: str, scales: str, k_plane: bool = False,
-           run_stores: bool = False) -> list:
+           run_stores: bool = False, fresh: bool = False) -> list:
     import importlib
 
     from nanovllm.kernels.attention_metadata import AttentionMetadata
@@ -142,6 +143,10 @@ def record(kv_cache_dtype: str, scales: str, k_plane: bool = False,
         for mode in ("qp", "q"):  # and its prefill, in the engine's mixed step
             tb.paged_attention(q, *cache, meta, D**-0.5, fp8_attention=mode)
     tb.paged_attention(q, *cache, meta, D**-0.5)
+    if fresh:  # and the prefill reading the chunk's own positions from its K/V
+        before = len(calls)
+        tb.paged_attention(q, *cache, meta, D**-0.5, fresh=(kv, kv))
+        calls[before:] = [c for c in calls[before:] if c[0].__name__ == "_prefill_kernel"]
     before = len(calls)  # and the decode kernel launched longest row first
     tb.paged_attention(q, *cache, meta, D**-0.5, longest_first=True)
     calls[before:] = [c for c in calls[before:] if c[0].__name__ == "_decode_kernel"]
@@ -274,6 +279,14 @@ def main() -> None:
                      if call[0].__name__ in ("_store_kv_kernel", "_rope_store_kernel")]
     if "--k-plane" in sys.argv[1:]:  # and over a K cache with its scales in a plane
         launches += [("fp8-k-plane", call) for call in record("fp8", "token", k_plane=True)]
+    if "--fresh" in sys.argv[1:]:  # and the prefill with `fresh` (kernels.FRESH_PREFILL),
+        # over each cache and the GPU's fp8 layout
+        for case, kw in (("bf16", dict(kv_cache_dtype="auto", scales="token")),
+                         ("fp8-token", dict(kv_cache_dtype="fp8", scales="token")),
+                         ("fp8-k-plane", dict(kv_cache_dtype="fp8", scales="token",
+                                              k_plane=True))):
+            launches += [(f"{case}-fresh", call) for call in record(**kw, fresh=True)
+                         if call[2].get("FRESH")]
     launches += [("sampler", call) for call in record_sampler()]
     launches += [("split-k", call) for call in record_split_k()]
     if "--pdl" in sys.argv[1:]:  # each kernel as programmatic dependent launch has it
