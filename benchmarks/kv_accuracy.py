@@ -16,6 +16,12 @@ averaged over the continuation's positions. Greedy agreement runs each engine fr
 share of prompts whose whole continuation equals the bf16 cache's, and the mean length of
 the common prefix.
 
+`--fresh-prefill` adds the fp8 token engine with kernels.FRESH_PREFILL: its prefills read
+their own positions' K/V unrounded, so a teacher-forced prefill would not see its cache. It
+is scored as generation meets it instead: the prompt in one prefill, then each continuation
+token in a decode step of its own (`decoded_logprobs`), which read the cache; rows "[decode
+steps]" score the reference, the fp8 token engine and it that way.
+
 `--fp8-attention` adds the fp8 token engine with `fp8_attention` "q" and "qp": attention on
 the fp8 tensor cores, with q (and P) in e4m3 (kernels/triton_fp8_decode.py; on the CPU the
 torch backend computes the same numerics, `torch_attention.fp8_decode_reference`).
@@ -34,6 +40,34 @@ ENGINES = {  # name -> engine options beside the shared ones
     "fp8 tensor": dict(dtype="bfloat16", kv_cache_dtype="fp8", kv_cache_scales="tensor"),
 }
 REFERENCE = "bf16 cache"
+FRESH = "fp8 token, fresh prefill"
+
+
+def decoded_logprobs(llm, ids: list[int], prompt_len: int) -> torch.Tensor:
+    """tests.support.engine_logprobs as generation meets them: the first `prompt_len` ids in
+    one prefill, then each later id in a decode step of its own (one query token over the
+    cache); [len(ids), vocab] float64."""
+    from nanovllm.kernels.attention_metadata import AttentionMetadata
+
+    runner = llm.engine.runner
+    bs = runner.config.block_size
+    assert llm.engine.scheduler.block_manager.reset_prefix_cache(), "requests are running"
+    table = torch.arange(-(-len(ids) // bs), dtype=torch.int32)[None]
+
+    def step(start: int, stop: int) -> torch.Tensor:
+        n = stop - start
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(start, stop, dtype=torch.int64),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+            context_lens=torch.tensor([stop], dtype=torch.int32), block_tables=table,
+            max_query_len=n, max_context_len=stop, query_lens_host=[n],
+            context_lens_host=[stop])
+        hidden = runner.model(torch.tensor(ids[start:stop]), torch.arange(start, stop), meta)
+        return torch.log_softmax(runner.model.compute_logits(hidden).double(), -1)
+
+    with torch.inference_mode():  # as the engine's steps (its cache is an inference tensor)
+        return torch.cat([step(0, prompt_len)]
+                         + [step(i, i + 1) for i in range(prompt_len, len(ids))]).clone()
 
 
 def main() -> None:
@@ -46,6 +80,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=len(HELD_OUT))
     ap.add_argument("--out", help="write the figures as JSON here")
+    ap.add_argument("--fresh-prefill", action="store_true",
+                    help=f"also the engine '{FRESH}' (kernels.FRESH_PREFILL), scored by "
+                         "decode steps")
     ap.add_argument("--fp8-attention", action="store_true",
                     help="also the fp8 decode kernel's numerics (q, and q and P, in e4m3)")
     args = ap.parse_args()
@@ -63,6 +100,11 @@ def main() -> None:
     shared = dict(device="cpu", weight_format="dense", max_num_seqs=16, max_model_len=1024,
                   kv_cache_gib=0.25)
     engines = {name: LLM(**shared, **opts) for name, opts in engine_opts.items()}
+    if args.fresh_prefill:  # the engine reads the switch as it picks its kernels
+        nanovllm.kernels.FRESH_PREFILL = True
+        engines[FRESH] = LLM(**shared, **ENGINES["fp8 token"])
+        nanovllm.kernels.FRESH_PREFILL = False
+        assert engines[FRESH].engine.runner.kernels.fresh_prefill
     ref = engines[REFERENCE]
     chats = [ref.engine.render_chat([{"role": "user", "content": q}])
              for q in HELD_OUT[: args.prompts]]
@@ -73,11 +115,24 @@ def main() -> None:
         references = [score(ref, c + b) for c, b in zip(chats, base)]
     figures: dict[str, dict] = {}
     for name, llm in engines.items():
-        runner = llm.engine.runner
-        figures[name] = agreement(chats, base, outs[name], references,
-                                  lambda ids, llm=llm: score(llm, ids))
-        figures[name]["kv_bytes_per_token"] = kv_bytes_per_token(runner.model_config,
-                                                                 runner.kv_format)
+        if name != FRESH:  # (its prefill would not read its cache)
+            figures[name] = agreement(chats, base, outs[name], references,
+                                      lambda ids, llm=llm: score(llm, ids))
+    if args.fresh_prefill:  # the cache's engines and the fresh one, all scored by decode
+        # steps, the reference too: a bf16 decode step and a prefill round differently, so
+        # mixing the two ways would measure that
+        def decoded(llm, ids):
+            chat = next(c for c in chats if ids[:len(c)] == c)  # where the continuation starts
+            return decoded_logprobs(llm, ids, len(chat))
+
+        references = [decoded(ref, c + b) for c, b in zip(chats, base)]
+        for name in (REFERENCE, "fp8 token", FRESH):
+            figures[f"{name} [decode steps]"] = agreement(
+                chats, base, outs[name], references,
+                lambda ids, llm=engines[name]: decoded(llm, ids))
+    for name, f in figures.items():
+        runner = engines[name.removesuffix(" [decode steps]")].engine.runner
+        f["kv_bytes_per_token"] = kv_bytes_per_token(runner.model_config, runner.kv_format)
     print(f"{len(chats)} held-out chat prompts, {args.max_tokens} greedy tokens each; "
           f"KL({REFERENCE} || engine) per token, nats; default model, bfloat16 on the CPU")
     report(figures, "KV cache", max(map(len, figures)), args,
