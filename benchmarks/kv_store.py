@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true",
                     help="the L2 cache overwritten before each run (triton.testing.do_bench), "
                     "not a replayed graph")
-    add_switches(ap, "--no-run-stores", "--v-with-k", "--no-run-heads")
+    add_switches(ap, "--no-run-stores", "--v-with-k", "--no-run-heads", "--v-apart-all")
     args = ap.parse_args()
     import triton
 

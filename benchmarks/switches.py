@@ -34,6 +34,11 @@ SWITCHES = {
         "nanovllm.kernels", "FRESH_PREFILL", True,
         "prefill rows attend over their own positions with the step's K/V as computed, the "
         "cache only before them (kernels.FRESH_PREFILL on; prepared 2026-12-02, not measured)"),
+    "--v-apart-all": (
+        "nanovllm.kernels.triton_kv_store", "V_APART_MAX_TOKENS", 1 << 30,
+        "the fused RoPE + store stores every launch's V from programs of their own, a prefill "
+        "step's too, not only launches of up to 1,024 tokens (triton_kv_store."
+        "V_APART_MAX_TOKENS unbounded; not measured since RUN_HEADS)"),
     "--no-pdl": (
         "nanovllm.kernels.triton_pdl", "PDL", False,
         "the step's Triton kernels as plain launches, not programmatic dependent ones "

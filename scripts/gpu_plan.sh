@@ -105,8 +105,10 @@
 #                                     # then the seed workload, fp8, alternating ROUNDS (0)
 #                                     # of the defaults and --no-run-heads after a warm-up
 #                                     # run, then the GPU tests (both ways; SKIP_TESTS=1)
-#   bash scripts/gpu_plan.sh freshkv  # prefill rows reading their own positions from the step's
-#                                     # K/V (kernels.FRESH_PREFILL, off, prepared): its GPU
+#   bash scripts/gpu_plan.sh freshkv  # kv_store.py with --v-apart-all (SKIP_STORE=1 skips
+#                                     # it), then prefill rows reading their own positions
+#                                     # from the step's K/V (kernels.FRESH_PREFILL, off,
+#                                     # prepared): its GPU
 #                                     # tests (SKIP_TESTS=1 skips them), attention.py --fresh
 #                                     # (SKIP_TABLE=1 skips it), then the seed workload,
 #                                     # DTYPES (fp8), alternating ROUNDS (0) of the defaults
@@ -451,7 +453,9 @@ case "$stage" in
         tests/model/test_triton_fp8.py tests/engine/test_fp8_kv.py 2>&1 | tail -2 \
         | tee "$OUT/runheads_tests.log"
     fi ;;
-  freshkv)  # kernels.FRESH_PREFILL (off, prepared)
+  freshkv)  # kernels.FRESH_PREFILL (off, prepared); first the store with every launch's V
+    # apart (--v-apart-all), not measured since run heads
+    [ -z "${SKIP_STORE:-}" ] && store_ab freshkv_store.log "" --v-apart-all
     if [ -z "${SKIP_TESTS:-}" ]; then
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/model/test_fresh_prefill.py tests/engine/test_fp8_kv.py 2>&1 | tail -2 \

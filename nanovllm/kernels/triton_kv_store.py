@@ -28,7 +28,7 @@ RUN_STORES = True
 # all by its first token's program one after another, and a run's tokens reading no V of
 # their own. On the H200 (benchmarks/kv_store.py, one layer, warm, fused RoPE + store): a
 # 256-token prefill chunk 4.8 us against 11.8, a 16,384-token prefill step 176 against 191;
-# the seed workload 1.006x (BENCHMARKS.md, sixteenth session)
+# the seed workload 1.004x (BENCHMARKS.md, sixteenth session)
 RUN_HEADS = True
 # the fused RoPE + store (qk_norm_rope_store) of up to V_APART_MAX_TOKENS tokens (a decode
 # step's) into a V cache stored transposed stores each token's V from a program of its own,
@@ -36,7 +36,8 @@ RUN_HEADS = True
 # program, so the V's byte writes do not wait on the RoPE. On the H200 (benchmarks/kv_store.py,
 # one layer, warm): an fp8 decode step's 256 tokens 8.3 us against 10.6, a 256-token prefill
 # chunk 11.7 against 13.4, but 16,384 tokens 200 against 192; the seed workload 1.005x
-# (BENCHMARKS.md)
+# (BENCHMARKS.md; measured before RUN_HEADS, which left a run's V to the token programs of
+# its heads: `--v-apart-all` times every launch apart)
 V_APART = True
 V_APART_MAX_TOKENS = 1024
 
