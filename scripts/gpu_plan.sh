@@ -112,7 +112,10 @@
 #                                     # tests (SKIP_TESTS=1 skips them), attention.py --fresh
 #                                     # (SKIP_TABLE=1 skips it), then the seed workload,
 #                                     # DTYPES (fp8), alternating ROUNDS (0) of the defaults
-#                                     # and --fresh-prefill after a warm-up run
+#                                     # and --fresh-prefill after a warm-up run. All of it
+#                                     # overruns one call: first the store, tests and table
+#                                     # (ROUNDS=0), then SKIP_STORE=1 SKIP_TESTS=1
+#                                     # SKIP_TABLE=1 ROUNDS=3
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
