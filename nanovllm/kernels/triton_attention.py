@@ -618,51 +618,43 @@ def _load_fresh(ptr, rows, valid, kv_head, offs_d, stride_t, stride_h, stride_d,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                 TRANSPOSED: tl.constexpr):
     # a tile of this step's K or V ([T, Hkv, D], as computed) at tokens `rows`: [D, N] (K^T,
-    # TRANSPOSED) or [N, D]; MASKED: only where `valid`
+    # TRANSPOSED) or [N, D]; MASKED: only where `valid` (else unused: None)
     at = ptr + kv_head * stride_h
     if TRANSPOSED:
         ptrs = at + rows[None, :].to(tl.int64) * stride_t + offs_d[:, None] * stride_d
-        pos_ok = valid[None, :]
-        dim_ok = offs_d[:, None] < HEAD_DIM
+        mask = offs_d[:, None] < HEAD_DIM
+        if MASKED:
+            mask = mask & valid[None, :]
     else:
         ptrs = at + rows[:, None].to(tl.int64) * stride_t + offs_d[None, :] * stride_d
-        pos_ok = valid[:, None]
-        dim_ok = offs_d[None, :] < HEAD_DIM
-    if MASKED:
-        if HEAD_DIM == BLOCK_D:
-            x = tl.load(ptrs, mask=pos_ok, other=0.0)
-        else:
-            x = tl.load(ptrs, mask=pos_ok & dim_ok, other=0.0)
-    elif HEAD_DIM == BLOCK_D:
+        mask = offs_d[None, :] < HEAD_DIM
+        if MASKED:
+            mask = mask & valid[:, None]
+    if MASKED or HEAD_DIM != BLOCK_D:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    else:  # a full tile of a power-of-2 head_dim: unmasked
         x = tl.load(ptrs)
-    else:
-        x = tl.load(ptrs, mask=dim_ok, other=0.0)
     return x
 
 
 @triton.jit
 def _prefill_fresh(
-    q, acc, m_i, l_i, kn_ptr, vn_ptr, k_cache_ptr, v_cache_ptr, bt_row, q_start, q_len, t0,
-    tok, prefix, kv_head, offs_n, offs_d, scale_log2,
-    stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd,
-    stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-    BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr, SCALED: tl.constexpr, FP8_ASM: tl.constexpr, V_T: tl.constexpr,
-    K_PLANE: tl.constexpr,
+    q, acc, m_i, l_i, kn_ptr, vn_ptr, q_start, q_len, t0, tok, kv_head, offs_n, offs_d,
+    scale_log2, stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd,
+    BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # _prefill_kernel's tiles with FRESH. First the row's own positions, prefix + j, from
-    # this step's K/V (kn, vn, in q's dtype: a bf16 cache's bytes, an fp8 cache's before
-    # rounding), as over a bf16 cache: query token t sees j <= t
+    # _prefill_kernel's tiles of the row's own positions with FRESH: position prefix + j
+    # from this step's K/V (kn, vn, in q's dtype: a bf16 cache's bytes, an fp8 cache's
+    # before rounding), as over a bf16 cache; query token t sees j <= t
     kv_len = tl.minimum(t0 + BLOCK_Q, q_len)
     full_end = tl.minimum((t0 + 1) // BLOCK_N * BLOCK_N, kv_len)  # wholly at or before t0
     no_scale = offs_n.to(tl.float32)
     for j0 in range(0, full_end, BLOCK_N):
         rows = q_start + j0 + offs_n
-        every = offs_n >= 0  # unmasked: unused
-        k = _load_fresh(kn_ptr, rows, every, kv_head, offs_d, stride_knt, stride_knh,
+        k = _load_fresh(kn_ptr, rows, None, kv_head, offs_d, stride_knt, stride_knh,
                         stride_knd, HEAD_DIM, BLOCK_D, False, True)
-        v = _load_fresh(vn_ptr, rows, every, kv_head, offs_d, stride_vnt, stride_vnh,
+        v = _load_fresh(vn_ptr, rows, None, kv_head, offs_d, stride_vnt, stride_vnh,
                         stride_vnd, HEAD_DIM, BLOCK_D, False, False)
         acc, m_i, l_i = _softmax_step(q, k, v, no_scale, no_scale, acc, m_i, l_i, None,
                                       scale_log2, False, False, DOT_PRECISION)
@@ -676,32 +668,6 @@ def _prefill_fresh(
         allowed = valid[None, :] & (j[None, :] <= tok[:, None])
         acc, m_i, l_i = _softmax_step(q, k, v, no_scale, no_scale, acc, m_i, l_i, allowed,
                                       scale_log2, True, False, DOT_PRECISION)
-    # then the cache's positions before the row's (a cached prefix, earlier chunks), all
-    # before every query: the last tile masked at the prefix only. q is no longer needed in
-    # its own dtype, so the conversion the cache's tiles want happens here, once
-    if FP8_ASM:
-        q = _to_f16(q)
-    elif not FP8:
-        q = q.to(k_cache_ptr.dtype.element_ty)
-    cached_full = prefix // BLOCK_N * BLOCK_N
-    for start in range(0, cached_full, BLOCK_N):
-        k, k_scale, v, v_scale = _load_tiles(
-            k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, start + offs_n < prefix, prefix,
-            kv_head, offs_d,
-            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
-            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, FP8, SCALED, q.dtype,
-            kn_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
-        acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
-                                      scale_log2, False, SCALED, DOT_PRECISION)
-    for start in range(cached_full, prefix, BLOCK_N):
-        valid = start + offs_n < prefix
-        k, k_scale, v, v_scale = _load_tiles(
-            k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, prefix, kv_head, offs_d,
-            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
-            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
-            kn_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
-        acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i,
-                                      valid[None, :], scale_log2, True, SCALED, DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -774,51 +740,51 @@ def _prefill_kernel(
     # tiles wholly at or before the tile's first query position need no mask at all
     full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, kv_end)
     if FRESH:  # (not with FP8_MMA: paged_attention drops `fresh` for fp8_attention)
+        # the row's own positions from this step's K/V, then the cache's before them only
+        # (their causal mask below always holds)
         acc, m_i, l_i = _prefill_fresh(
-            q, acc, m_i, l_i, kn_ptr, vn_ptr, k_cache_ptr, v_cache_ptr, bt_row, q_start,
-            q_len, t0, tok, prefix, kv_head, offs_n, offs_d, scale_log2,
-            stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh, stride_vnd,
+            q, acc, m_i, l_i, kn_ptr, vn_ptr, q_start, q_len, t0, tok, kv_head, offs_n,
+            offs_d, scale_log2, stride_knt, stride_knh, stride_knd, stride_vnt, stride_vnh,
+            stride_vnd, BLOCK_Q, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+        kv_end = prefix
+        full_end = prefix // BLOCK_N * BLOCK_N
+    if FP8_MMA:
+        q, q_scale = _rows_to_e4m3(q, EXACT)
+        row_scale = q_scale * scale_log2
+    elif FP8_ASM:  # an fp8 cache is read into float16 (see _load_kv_tile)
+        q = _to_f16(q)
+    elif not FP8:  # or into the query's dtype
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    for start in range(0, full_end, BLOCK_N):
+        pos = start + offs_n
+        k, k_scale, v, v_scale = _load_tiles(
+            k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, pos < kv_end, kv_end, kv_head,
+            offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
-            stride_vd, BLOCK_Q, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, FP8,
-            SCALED, FP8_ASM, V_T, K_PLANE)
-    else:
+            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, FP8, SCALED, q.dtype,
+            q_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
         if FP8_MMA:
-            q, q_scale = _rows_to_e4m3(q, EXACT)
-            row_scale = q_scale * scale_log2
-        elif FP8_ASM:  # an fp8 cache is read into float16 (see _load_kv_tile)
-            q = _to_f16(q)
-        elif not FP8:  # or into the query's dtype
-            q = q.to(k_cache_ptr.dtype.element_ty)
-        for start in range(0, full_end, BLOCK_N):
-            pos = start + offs_n
-            k, k_scale, v, v_scale = _load_tiles(
-                k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, pos < kv_end, kv_end, kv_head,
-                offs_d,
-                stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
-                stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, FP8, SCALED, q.dtype,
-                q_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
-            if FP8_MMA:
-                acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
-                                                  row_scale, False, SCALED, FP8_P, EXACT)
-            else:
-                acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
-                                              scale_log2, False, SCALED, DOT_PRECISION)
-        # diagonal tiles: causal mask, and the context end (kv_end <= ctx) for the last one
-        for start in range(full_end, kv_end, BLOCK_N):
-            pos = start + offs_n
-            valid = pos < kv_end
-            k, k_scale, v, v_scale = _load_tiles(
-                k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, kv_end, kv_head, offs_d,
-                stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
-                stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
-                q_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
-            allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-            if FP8_MMA:
-                acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i,
-                                                  allowed, row_scale, True, SCALED, FP8_P, EXACT)
-            else:
-                acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed,
-                                              scale_log2, True, SCALED, DOT_PRECISION)
+            acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
+                                              row_scale, False, SCALED, FP8_P, EXACT)
+        else:
+            acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
+                                          scale_log2, False, SCALED, DOT_PRECISION)
+    # diagonal tiles: causal mask, and the context end (kv_end <= ctx) for the last one
+    for start in range(full_end, kv_end, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < kv_end
+        k, k_scale, v, v_scale = _load_tiles(
+            k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, kv_end, kv_head, offs_d,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
+            q_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
+        allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if FP8_MMA:
+            acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i,
+                                              allowed, row_scale, True, SCALED, FP8_P, EXACT)
+        else:
+            acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed,
+                                          scale_log2, True, SCALED, DOT_PRECISION)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_off[:, None] * stride_ot + heads[:, None] * stride_oh
