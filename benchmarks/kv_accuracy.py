@@ -19,7 +19,8 @@ the common prefix.
 `--fresh-prefill` adds the fp8 token engine with kernels.FRESH_PREFILL: its prefills read
 their own positions' K/V unrounded, so a teacher-forced prefill would not see its cache. It
 is scored as generation meets it instead: the prompt in one prefill, then each continuation
-token in a decode step of its own (`decoded_logprobs`), which read the cache; rows "[decode
+token in a decode step of its own (tests.support.engine_logprobs with `prefill`), which
+read the cache; rows "[decode
 steps]" score the reference, the fp8 token engine and it that way.
 
 `--fp8-attention` adds the fp8 token engine with `fp8_attention` "q" and "qp": attention on
@@ -41,33 +42,6 @@ ENGINES = {  # name -> engine options beside the shared ones
 }
 REFERENCE = "bf16 cache"
 FRESH = "fp8 token, fresh prefill"
-
-
-def decoded_logprobs(llm, ids: list[int], prompt_len: int) -> torch.Tensor:
-    """tests.support.engine_logprobs as generation meets them: the first `prompt_len` ids in
-    one prefill, then each later id in a decode step of its own (one query token over the
-    cache); [len(ids), vocab] float64."""
-    from nanovllm.kernels.attention_metadata import AttentionMetadata
-
-    runner = llm.engine.runner
-    bs = runner.config.block_size
-    assert llm.engine.scheduler.block_manager.reset_prefix_cache(), "requests are running"
-    table = torch.arange(-(-len(ids) // bs), dtype=torch.int32)[None]
-
-    def step(start: int, stop: int) -> torch.Tensor:
-        n = stop - start
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(start, stop, dtype=torch.int64),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-            context_lens=torch.tensor([stop], dtype=torch.int32), block_tables=table,
-            max_query_len=n, max_context_len=stop, query_lens_host=[n],
-            context_lens_host=[stop])
-        hidden = runner.model(torch.tensor(ids[start:stop]), torch.arange(start, stop), meta)
-        return torch.log_softmax(runner.model.compute_logits(hidden).double(), -1)
-
-    with torch.inference_mode():  # as the engine's steps (its cache is an inference tensor)
-        return torch.cat([step(0, prompt_len)]
-                         + [step(i, i + 1) for i in range(prompt_len, len(ids))]).clone()
 
 
 def main() -> None:
@@ -123,7 +97,7 @@ def main() -> None:
         # mixing the two ways would measure that
         def decoded(llm, ids):
             chat = next(c for c in chats if ids[:len(c)] == c)  # where the continuation starts
-            return decoded_logprobs(llm, ids, len(chat))
+            return score(llm, ids, prefill=len(chat))
 
         references = [decoded(ref, c + b) for c, b in zip(chats, base)]
         for name in (REFERENCE, "fp8 token", FRESH):

@@ -169,21 +169,29 @@ def assert_matches(tokens: torch.Tensor, probs: torch.Tensor) -> None:
 
 
 @torch.inference_mode()
-def engine_logprobs(llm, ids: list[int]) -> torch.Tensor:
+def engine_logprobs(llm, ids: list[int], prefill: int | None = None) -> torch.Tensor:
     """The engine model's log next-token distributions after each prefix of `ids` ([len(ids),
-    vocab], float64), teacher-forced: one prefill of the whole sequence through its own layers
-    and KV cache (blocks 0.., so the prefix cache is reset; no request may be running)."""
+    vocab], float64), teacher-forced through its own layers and KV cache (blocks 0.., so the
+    prefix cache is reset; no request may be running): one prefill of the whole sequence, or
+    with `prefill` as generation meets them, the first `prefill` ids in one step and each
+    later one in a decode step of its own."""
     from nanovllm.kernels.attention_metadata import AttentionMetadata
 
     runner = llm.engine.runner
-    bs, n = runner.config.block_size, len(ids)
+    bs = runner.config.block_size
     assert llm.engine.scheduler.block_manager.reset_prefix_cache(), "requests are running"
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, dtype=torch.int64),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        context_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(-(-n // bs), dtype=torch.int32)[None],
-        max_query_len=n, max_context_len=n, query_lens_host=[n], context_lens_host=[n],
-    )
-    hidden = runner.model(torch.tensor(ids), torch.arange(n), meta)
-    return torch.log_softmax(runner.model.compute_logits(hidden).double(), -1)
+    table = torch.arange(-(-len(ids) // bs), dtype=torch.int32)[None]
+
+    def step(start: int, stop: int) -> torch.Tensor:
+        n = stop - start
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(start, stop, dtype=torch.int64),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+            context_lens=torch.tensor([stop], dtype=torch.int32), block_tables=table,
+            max_query_len=n, max_context_len=stop, query_lens_host=[n],
+            context_lens_host=[stop])
+        hidden = runner.model(torch.tensor(ids[start:stop]), torch.arange(start, stop), meta)
+        return torch.log_softmax(runner.model.compute_logits(hidden).double(), -1)
+
+    first = len(ids) if prefill is None else prefill
+    return torch.cat([step(0, first)] + [step(i, i + 1) for i in range(first, len(ids))])
