@@ -49,7 +49,7 @@ class Kernels:
     # split-K partial products that add_rms_norm sums (triton_linear.py; Triton ops only);
     # None: their plain matmul
     split_k_linear: Callable | None = None
-    # Attention passes prefill steps' K/V to paged_attention as `fresh` (FRESH_PREFILL)
+    # Attention passes each step's K/V to paged_attention as `fresh` (FRESH_PREFILL)
     fresh_prefill: bool = False
 
 

@@ -28,7 +28,6 @@ class Attention(nn.Module):
         kernels = self.kernels
         if not stored:
             kernels.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if kernels.fresh_prefill and meta.max_query_len > 1:  # see kernels.FRESH_PREFILL
-            return kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale,
-                                           fresh=(k, v))
-        return kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        fresh = (k, v) if kernels.fresh_prefill else None  # see kernels.FRESH_PREFILL
+        return kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale,
+                                       fresh=fresh)
