@@ -106,16 +106,13 @@
 #                                     # of the defaults and --no-run-heads after a warm-up
 #                                     # run, then the GPU tests (both ways; SKIP_TESTS=1)
 #   bash scripts/gpu_plan.sh freshkv  # kv_store.py with --v-apart-all (SKIP_STORE=1 skips
-#                                     # it), then prefill rows reading their own positions
-#                                     # from the step's K/V (kernels.FRESH_PREFILL, off,
-#                                     # prepared): its GPU
-#                                     # tests (SKIP_TESTS=1 skips them), attention.py --fresh
-#                                     # (SKIP_TABLE=1 skips it), then the seed workload,
-#                                     # DTYPES (fp8), alternating ROUNDS (0) of the defaults
-#                                     # and --fresh-prefill after a warm-up run. All of it
-#                                     # overruns one call: first the store, tests and table
-#                                     # (ROUNDS=0), then SKIP_STORE=1 SKIP_TESTS=1
-#                                     # SKIP_TABLE=1 ROUNDS=3
+#                                     # it), then an fp8 cache's prefill rows reading their
+#                                     # own positions from the step's K/V (kernels.
+#                                     # FRESH_PREFILL, on): its GPU tests (SKIP_TESTS=1),
+#                                     # attention.py --fresh (SKIP_TABLE=1), then the seed
+#                                     # workload, DTYPES (fp8), alternating ROUNDS (0) of the
+#                                     # defaults and --no-fresh-prefill after a warm-up run
+#                                     # (2026-12-02: ROUNDS=8 took 304 s)
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -456,8 +453,8 @@ case "$stage" in
         tests/model/test_triton_fp8.py tests/engine/test_fp8_kv.py 2>&1 | tail -2 \
         | tee "$OUT/runheads_tests.log"
     fi ;;
-  freshkv)  # kernels.FRESH_PREFILL (off, prepared); first the store with every launch's V
-    # apart (--v-apart-all), not measured since run heads
+  freshkv)  # kernels.FRESH_PREFILL (on); first the store with every launch's V apart
+    # (--v-apart-all)
     [ -z "${SKIP_STORE:-}" ] && store_ab freshkv_store.log "" --v-apart-all
     if [ -z "${SKIP_TESTS:-}" ]; then
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
@@ -473,7 +470,7 @@ case "$stage" in
         offline freshkv.log "warm-up $dtype, not counted" "$dtype"
         for round in $(seq "$ROUNDS"); do
           offline freshkv.log "round $round $dtype defaults" "$dtype"
-          offline freshkv.log "round $round $dtype --fresh-prefill" "$dtype" --fresh-prefill
+          offline freshkv.log "round $round $dtype --no-fresh-prefill" "$dtype" --no-fresh-prefill
         done
       done
     fi ;;

@@ -17,13 +17,15 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# prefill rows attend over their own positions with this step's K/V as computed (each
-# backend's paged_attention `fresh`), the cache only before them: an fp8 cache's prefill
-# then reads the chunk as a bf16 cache's does, instead of converting its bytes (on the H200
-# a seed prefill step's attention took 0.366 ms over fp8 against 0.243 over bf16,
-# triton_attention.default_prefill_config). Off: prepared, not measured; the engine reads
-# it when it picks its kernels (worker/model_runner.py)
-FRESH_PREFILL = False
+# over an fp8 cache, prefill rows attend over their own positions with this step's K/V as
+# computed (each backend's paged_attention `fresh`), the cache only before them: the chunk
+# is read as a bf16 cache's is, without converting its bytes, and unrounded (on the H200 a
+# seed prefill step's attention 0.236 ms against 0.348; the seed workload 36,175 tok/s
+# against 36,016, ahead in 9 rounds of 10; its mean KL 0.84x the cache's,
+# benchmarks/kv_accuracy.py --fresh-prefill). The engine reads it when it picks its kernels
+# (worker/model_runner.py); a bf16 or float32 cache holds the values as computed, so there
+# it stays off (it would only cost: 0.264 ms against 0.246)
+FRESH_PREFILL = True
 # norms, RoPE, SiLU (and the one-pass sampler)
 OPS = ("triton", "native", "torch", "compiled")
 ATTENTION = ("triton", "native", "torch")  # paged attention and the K/V store

@@ -857,9 +857,10 @@ def paged_attention(
     flags = _fp8_flags(k_cache, v_cache, head_dim, q)
     if fp8_attention != "off":
         fresh = None
-    # with `fresh` most tiles are this step's K/V, in q's dtype: a bf16 cache's tiles
+    # an fp8 cache's tiles with `fresh` too (on the H200 a seed prefill step 0.236 ms against
+    # 0.261 with a bf16 cache's, a chunk of 8 x 512 after 1,536 0.291 against 0.396)
     cfg = prefill_config or default_prefill_config(head_dim, meta.max_query_len, group,
-                                                    q.dtype, fp8=flags["FP8"] and fresh is None)
+                                                    q.dtype, fp8=flags["FP8"])
     if fp8_attention != "off":  # q (and P) in e4m3, over tiles of FP8_MMA_TILE positions
         if not (flags["FP8"] and flags["V_T"]) or k_cache.shape[1] % FP8_MMA_TILE:
             raise ValueError("fp8_attention needs an fp8 cache with V transposed, in blocks "

@@ -95,9 +95,11 @@ class ModelRunner:
         elif self.device.type == "cpu":
             self.cpu_threads = CpuThreads.create()
         torch.manual_seed(config.seed)
+        # (fp8_attention's kernels read the cache only)
+        fresh = kernels_module.FRESH_PREFILL and config.kv_cache_dtype == "fp8" \
+            and config.fp8_attention == "off"
         self.kernels = select_kernels(config.kernels, config.attention_backend,
-                                      config.fp8_attention, config.split_k,
-                                      kernels_module.FRESH_PREFILL)
+                                      config.fp8_attention, config.split_k, fresh)
         start = time.perf_counter()
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)

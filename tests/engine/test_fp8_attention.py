@@ -43,7 +43,12 @@ def test_triton_engine_equals_the_torch_one(tiny_qwen3, triton_device, mode):
 
 
 @pytest.mark.parametrize("mode", ["q", "qp"])
-def test_the_numerics_move_logprobs_a_little(tiny_qwen3, mode):
+def test_the_numerics_move_logprobs_a_little(tiny_qwen3, mode, monkeypatch):
+    import nanovllm.kernels as kernels
+
+    # the converting kernels reading the cache as fp8_attention's do, prefill rows too
+    # (kernels.FRESH_PREFILL off), so only the numerics differ
+    monkeypatch.setattr(kernels, "FRESH_PREFILL", False)
     _, off = generate(tiny_qwen3, "cpu", "off")
     _, on = generate(tiny_qwen3, "cpu", mode)
     diffs = [abs(x[k] - y[k]) for a, b in zip(off, on)
