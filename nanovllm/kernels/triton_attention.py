@@ -62,7 +62,7 @@ from nanovllm.kernels.attention_metadata import AttentionMetadata
 from nanovllm.kernels.triton_e4m3 import _rows_to_e4m3, _to_e4m3
 
 # the backend's other entry point, and the cache-format flags both files launch with
-from nanovllm.kernels.triton_kv_store import _fp8_flags, store_kv  # noqa: F401
+from nanovllm.kernels.triton_kv_store import _fp8_flags, _store_token, store_kv  # noqa: F401
 from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
 LOG2E = 1.4426950408889634
@@ -483,12 +483,15 @@ def _decode_kernel(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt,
+    k_new_ptr, v_new_ptr, slot_ptr,
+    stride_nkt, stride_nkh, stride_nkd, stride_nvt, stride_nvh, stride_nvd,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, WRITE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
     LONGEST_FIRST: tl.constexpr = False, V_T: tl.constexpr = False,
     SKIP_PAST: tl.constexpr = False, K_PLANE: tl.constexpr = False, PDL: tl.constexpr = False,
+    STORE_NEW: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     # num_splits is a runtime int (one compiled kernel serves every split count);
@@ -496,6 +499,17 @@ def _decode_kernel(
     row, kv_head, split = _decode_program(order_ptr, NUM_Q_HEADS // GROUP, LONGEST_FIRST)
     q_start, is_decode, ctx, tile_lo, tile_hi = _decode_span(qsl_ptr, ctx_ptr, row, split,
                                                              num_splits, BLOCK_N)
+    if STORE_NEW:  # (DECODE_STORES) the program whose split reads the row's last tile
+        last = tl.cdiv(ctx, BLOCK_N) - 1  # first stores this kv head's new K/V there (slot
+        if (tile_lo <= last) & (last < tile_hi):  # -1: none), as store_kv would
+            _store_token(
+                q_start, k_new_ptr + kv_head * stride_nkh, v_new_ptr + kv_head * stride_nvh,
+                k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
+                slot_ptr, stride_nkt, stride_nkh, stride_nkd, stride_nvt, stride_nvh,
+                stride_nvd, stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd,
+                1, HEAD_DIM, BLOCK_SIZE, 1, BLOCK_D, FP8, SCALED, V_T, K_PLANE, False)
+        tl.debug_barrier()  # every thread's bytes stored before any thread's tile loads
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -809,6 +823,7 @@ def paged_attention(
     longest_first: bool = LONGEST_FIRST,
     fp8_attention: str = "off",
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of q ([T, Hq, D], any strides) over each row's cached context; [T, Hq, D].
 
@@ -820,8 +835,10 @@ def paged_attention(
     the fp8 tensor cores. `fresh`: this step's K and V ([T, Hkv, D] each, in q's dtype, as
     stored): prefill rows read their own positions from them, the earlier ones from the
     cache (the same values over a cache of q's dtype; over an fp8 one, the values before
-    rounding); decode rows, and fp8_attention, read the cache only. See the module
-    docstring for what a launch bakes in.
+    rounding); decode rows, and fp8_attention, read the cache only. `new_kv`: this step's
+    K and V ([T, Hkv, D]), not yet stored, in a step of decode rows only: the decode
+    kernel stores them into meta.slot_mapping's slots (the bytes `store_kv` writes) before
+    it reads them (DECODE_STORES). See the module docstring for what a launch bakes in.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -833,6 +850,10 @@ def paged_attention(
         return out
     group = num_q_heads // num_kv_heads
     scale_log2 = scale * LOG2E
+
+    if new_kv is not None and (meta.max_query_len != 1 or fp8_attention != "off"):
+        raise ValueError("new_kv is for steps of decode rows only, without fp8_attention; "
+                         "store the K/V with store_kv first")
 
     def launch_decode() -> None:
         if fp8_attention != "off":
@@ -846,7 +867,8 @@ def paged_attention(
         _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group,
                        meta.max_context_len, num_splits, decode_config,
                        qsl=meta.query_start_loc, ctx=meta.context_lens, bt=meta.block_tables,
-                       order=_longest_first(meta) if longest_first else None)
+                       order=_longest_first(meta) if longest_first else None, new_kv=new_kv,
+                       slots=meta.slot_mapping)
 
     if meta.max_query_len == 1:
         launch_decode()
@@ -941,7 +963,7 @@ def _rank_kernel(ctx_ptr, order_ptr, num_rows, BLOCK: tl.constexpr, PDL: tl.cons
 
 
 def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_context_len,
-                   num_splits, cfg, qsl, ctx, bt, order) -> None:
+                   num_splits, cfg, qsl, ctx, bt, order, new_kv=None, slots=None) -> None:
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     flags = _fp8_flags(k_cache, v_cache, head_dim, q)
@@ -954,10 +976,13 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
     # run alone at the end; longest first, the last to start are the shortest (LPT order).
     grid = ((num_rows, num_kv_heads, num_splits) if order is None
             else (num_kv_heads * num_splits, num_rows))
+    k_new, v_new = new_kv or (q, q)  # (unread without new_kv)
     _decode_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse, qsl, ctx, bt,
         ctx if order is None else order, scale_log2, num_splits,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0),
+        k_new, v_new, qsl if slots is None else slots,
+        *k_new.stride(), *v_new.stride(), STORE_NEW=new_kv is not None,
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_G=max(cfg.block_m, _pow2(group)),
         BLOCK_N=_block_n(cfg, k_cache, flags), WRITE_OUT=num_splits == 1,
