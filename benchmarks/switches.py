@@ -37,8 +37,8 @@ SWITCHES = {
     "--decode-stores": (
         "nanovllm.kernels", "DECODE_STORES", True,
         "over an fp8 cache, a step of decode rows stores each row's new K/V from the decode "
-        "program that reads it, not from the RoPE launch (kernels.DECODE_STORES on; prepared "
-        "2026-12-02, not measured)"),
+        "program whose split holds it, after adding it from registers, not from the RoPE "
+        "launch (kernels.DECODE_STORES on; prepared 2026-12-02, not measured)"),
     "--v-apart-all": (
         "nanovllm.kernels.triton_kv_store", "V_APART_MAX_TOKENS", 1 << 30,
         "the fused RoPE + store stores every launch's V from programs of their own, a prefill "

@@ -27,11 +27,13 @@ from dataclasses import dataclass
 # it stays off (it would only cost: 0.264 ms against 0.246)
 FRESH_PREFILL = True
 # over an fp8 cache, in a step of decode rows only, each row's new K/V stored by the Triton
-# decode program that then reads it (triton_attention's `new_kv`), not by the RoPE launch
+# decode program whose split holds it, after its loop, which adds the new position from
+# the step's K/V rounded as stored (triton_attention's `new_kv`), not by the RoPE launch
 # before: a token's V byte goes to each of head_dim rows of its block (V transposed), and
 # the store's partial-sector writes cost it 7.3 us a layer at 256 rows against bf16's 2.4
-# on the H200 (benchmarks/kv_store.py); inside the attention that latency overlaps its
-# loop. Off: prepared, not measured; the engine reads it when it picks its kernels
+# on the H200 (benchmarks/kv_store.py). Storing first and then reading the bytes back
+# measured 0.93-0.95x (the store's latency ahead of the longest rows' loops; BENCHMARKS.md).
+# Off: prepared, not measured; the engine reads it when it picks its kernels
 DECODE_STORES = False
 # norms, RoPE, SiLU (and the one-pass sampler)
 OPS = ("triton", "native", "torch", "compiled")

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
-from nanovllm.kernels.triton_e4m3 import _rows_to_e4m3, _to_e4m3
+from nanovllm.kernels.triton_e4m3 import _as_stored_fp8, _rows_to_e4m3, _to_e4m3
 
 # the backend's other entry point, and the cache-format flags both files launch with
 from nanovllm.kernels.triton_kv_store import _fp8_flags, _store_token, store_kv  # noqa: F401
@@ -499,17 +499,10 @@ def _decode_kernel(
     row, kv_head, split = _decode_program(order_ptr, NUM_Q_HEADS // GROUP, LONGEST_FIRST)
     q_start, is_decode, ctx, tile_lo, tile_hi = _decode_span(qsl_ptr, ctx_ptr, row, split,
                                                              num_splits, BLOCK_N)
-    if STORE_NEW:  # (DECODE_STORES) the program whose split reads the row's last tile
-        last = tl.cdiv(ctx, BLOCK_N) - 1  # first stores this kv head's new K/V there (slot
-        if (tile_lo <= last) & (last < tile_hi):  # -1: none), as store_kv would
-            _store_token(
-                q_start, k_new_ptr + kv_head * stride_nkh, v_new_ptr + kv_head * stride_nvh,
-                k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
-                slot_ptr, stride_nkt, stride_nkh, stride_nkd, stride_nvt, stride_nvh,
-                stride_nvd, stride_kb, stride_ks, stride_kh, stride_kd,
-                stride_vb, stride_vs, stride_vh, stride_vd,
-                1, HEAD_DIM, BLOCK_SIZE, 1, BLOCK_D, FP8, SCALED, V_T, K_PLANE, False)
-        tl.debug_barrier()  # every thread's bytes stored before any thread's tile loads
+    # STORE_NEW (DECODE_STORES): the row's new position is not in the cache yet; the loops
+    # read the positions before it, and the program whose split holds it adds it after its
+    # loop from this step's K/V, then stores it
+    end = ctx - 1 if STORE_NEW else ctx
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -531,19 +524,66 @@ def _decode_kernel(
     # the K/V bytes a decode tile moves
     for tile in range(tile_lo, tile_hi):
         pos = tile * BLOCK_N + offs_n
-        valid = pos < ctx
+        valid = pos < end
         k, k_scale, v, v_scale = _load_tiles(
-            k_cache_ptr, v_cache_ptr, bt_row, tile * BLOCK_N, offs_n, valid, ctx, kv_head,
+            k_cache_ptr, v_cache_ptr, bt_row, tile * BLOCK_N, offs_n, valid, end, kv_head,
             offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
             q_ptr.dtype.element_ty, FP8_ASM, V_T, SKIP_PAST, K_PLANE)
         acc, m_i, l_i = _softmax_step(q.to(k.dtype), k, v, k_scale, v_scale, acc, m_i, l_i,
                                       valid[None, :], scale_log2, True, SCALED, DOT_PRECISION)
+    if STORE_NEW:
+        last = tl.cdiv(ctx, BLOCK_N) - 1
+        if (tile_lo <= last) & (last < tile_hi):
+            k_new = k_new_ptr + kv_head * stride_nkh
+            v_new = v_new_ptr + kv_head * stride_nvh
+            acc, m_i, l_i = _attend_new(
+                q, acc, m_i, l_i, q_start, k_new, v_new, stride_nkt, stride_nkd, stride_nvt,
+                stride_nvd, offs_d, scale_log2, HEAD_DIM, FP8, SCALED,
+                v_cache_ptr.dtype.element_ty)
+            _store_token(
+                q_start, k_new, v_new, k_cache_ptr + kv_head * stride_kh,
+                v_cache_ptr + kv_head * stride_vh, slot_ptr, stride_nkt, stride_nkh,
+                stride_nkd, stride_nvt, stride_nvh, stride_nvd, stride_kb, stride_ks,
+                stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+                1, HEAD_DIM, BLOCK_SIZE, 1, BLOCK_D, FP8, SCALED, V_T, K_PLANE, False)
 
     _decode_out(acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, row, split, num_splits,
                 q_start, heads, head_ok, dim_ok, offs_d, stride_ot, stride_oh, stride_od,
                 NUM_Q_HEADS, HEAD_DIM, WRITE_OUT)
+
+
+@triton.jit
+def _attend_new(q, acc, m_i, l_i, tok, k_ptr, v_ptr, stride_kt, stride_kd, stride_vt,
+                stride_vd, offs_d, scale_log2, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
+                SCALED: tl.constexpr, CACHE_DTYPE: tl.constexpr):
+    # one more position into the online softmax (acc [G, D], m_i, l_i [G]): the token's K/V
+    # ([D] at k_ptr / v_ptr) as the cache will hold them, rounded as _store_token rounds,
+    # weighed as _softmax_step weighs a cached position (P in the V tile's dtype)
+    dim_ok = (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + tok.to(tl.int64) * stride_kt + offs_d[None, :] * stride_kd,
+                mask=dim_ok, other=0.0)
+    v = tl.load(v_ptr + tok.to(tl.int64) * stride_vt + offs_d[None, :] * stride_vd,
+                mask=dim_ok, other=0.0)
+    if FP8:  # the tiles come as q's dtype (float16 on a GPU), unscaled
+        k, k_scale = _as_stored_fp8(k, dim_ok, SCALED)
+        v, v_scale = _as_stored_fp8(v, dim_ok, SCALED)
+    else:
+        k = k.to(CACHE_DTYPE).to(tl.float32)
+        v = v.to(CACHE_DTYPE).to(tl.float32)
+        k_scale = tl.full([1], 1.0, tl.float32)
+        v_scale = tl.full([1], 1.0, tl.float32)
+    s = tl.sum(q.to(tl.float32) * k, 1) * (tl.sum(k_scale, 0) * scale_log2)
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    if FP8:
+        pv = (p * tl.sum(v_scale, 0)).to(q.dtype).to(tl.float32)
+    else:
+        pv = p.to(CACHE_DTYPE).to(tl.float32)
+    acc = acc * alpha[:, None] + pv[:, None] * v
+    return acc, m_new, l_i * alpha + p
 
 
 @triton.jit
@@ -836,9 +876,10 @@ def paged_attention(
     stored): prefill rows read their own positions from them, the earlier ones from the
     cache (the same values over a cache of q's dtype; over an fp8 one, the values before
     rounding); decode rows, and fp8_attention, read the cache only. `new_kv`: this step's
-    K and V ([T, Hkv, D]), not yet stored, in a step of decode rows only: the decode
-    kernel stores them into meta.slot_mapping's slots (the bytes `store_kv` writes) before
-    it reads them (DECODE_STORES). See the module docstring for what a launch bakes in.
+    K and V ([T, Hkv, D]), not yet stored, in a step of decode rows only: each row's is its
+    last position, which the decode kernel adds from them, rounded as stored, then stores
+    into meta.slot_mapping's slot (the bytes `store_kv` writes; DECODE_STORES). See the
+    module docstring for what a launch bakes in.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

@@ -219,11 +219,12 @@ def test_fresh_prefill_engines(tiny_llama, triton_device, monkeypatch):
 
 
 def test_decode_stores_engines(tiny_llama, triton_device, monkeypatch):
-    """kernels.DECODE_STORES: in steps of decode rows the decode kernel stores each row's new
-    K/V before reading it, the RoPE launch none. The Triton engine (on a CPU in Triton's
-    interpreter) gives the same tokens and log-probabilities with it as without it and as
-    the torch engine, with shared prefixes cached and prompts in chunks (the cache's
-    bytes are the same either way; tests/model/test_decode_stores.py has the splits)."""
+    """kernels.DECODE_STORES: in steps of decode rows the decode kernel adds each row's new
+    position from the step's K/V and stores it, the RoPE launch none. The Triton engine (on
+    a CPU in Triton's interpreter) gives the same tokens and log-probabilities with it as
+    without it and as the torch engine, with shared prefixes cached and prompts in chunks
+    (the cache's bytes are the same either way; tests/model/test_decode_stores.py has the
+    splits)."""
     import nanovllm.kernels as kernels
 
     monkeypatch.setattr(kernels, "FRESH_PREFILL", False)  # (the decode alone differs)
@@ -243,4 +244,5 @@ def test_decode_stores_engines(tiny_llama, triton_device, monkeypatch):
         assert a.token_ids == b.token_ids == r.token_ids
         for la, lb, lr in zip(a.outputs[0].logprobs, b.outputs[0].logprobs,
                               r.outputs[0].logprobs, strict=True):
-            assert all(abs(la[k] - lb[k]) < 1e-6 and abs(la[k] - lr[k]) < 1e-4 for k in la)
+            # (the new position is summed apart from its tile: float32 rounding)
+            assert all(abs(la[k] - lb[k]) < 1e-4 and abs(la[k] - lr[k]) < 1e-4 for k in la)
