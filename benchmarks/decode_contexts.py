@@ -84,6 +84,7 @@ def store_orders(b) -> str:
     from nanovllm.kernels import triton_attention as ta
     from nanovllm.kernels.triton_kv_store import qk_norm_rope_store
     from nanovllm.kernels.triton_ops import qk_norm_rope
+    from nanovllm.model.layers.rotary import rope_inv_freq
 
     rows, hq, d = b.q.shape[0], b.q.shape[1], b.q.shape[2]
     hk = b.k_cache.shape[2]
@@ -93,8 +94,8 @@ def store_orders(b) -> str:
     positions = ctx - 1  # each row's new position: its context's last
     b.meta.slot_mapping = (b.meta.block_tables.gather(1, (positions // b.block_size)[:, None])
                            [:, 0].long() * b.block_size + positions % b.block_size)
-    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
-    angles = torch.arange(4096, device="cuda", dtype=torch.float32)[:, None] * inv[None, :]
+    angles = torch.outer(torch.arange(4096, dtype=torch.float32), rope_inv_freq(d, 1e6, None))
+    angles = angles.cuda()
     cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
     w = torch.ones(d, device="cuda", dtype=torch.bfloat16)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")

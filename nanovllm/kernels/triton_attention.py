@@ -566,23 +566,22 @@ def _attend_new(q, acc, m_i, l_i, tok, k_ptr, v_ptr, stride_kt, stride_kd, strid
                 mask=dim_ok, other=0.0)
     v = tl.load(v_ptr + tok.to(tl.int64) * stride_vt + offs_d[None, :] * stride_vd,
                 mask=dim_ok, other=0.0)
-    if FP8:  # the tiles come as q's dtype (float16 on a GPU), unscaled
+    if FP8:  # the tiles come as q's dtype (float16 on a GPU), unscaled; scales [1]
         k, k_scale = _as_stored_fp8(k, dim_ok, SCALED)
         v, v_scale = _as_stored_fp8(v, dim_ok, SCALED)
+        s = tl.sum(q.to(tl.float32) * k, 1) * (k_scale * scale_log2)
     else:
         k = k.to(CACHE_DTYPE).to(tl.float32)
         v = v.to(CACHE_DTYPE).to(tl.float32)
-        k_scale = tl.full([1], 1.0, tl.float32)
-        v_scale = tl.full([1], 1.0, tl.float32)
-    s = tl.sum(q.to(tl.float32) * k, 1) * (tl.sum(k_scale, 0) * scale_log2)
+        s = tl.sum(q.to(tl.float32) * k, 1) * scale_log2
     m_new = tl.maximum(m_i, s)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new)
     if FP8:
-        pv = (p * tl.sum(v_scale, 0)).to(q.dtype).to(tl.float32)
+        pv = (p * v_scale).to(q.dtype)
     else:
-        pv = p.to(CACHE_DTYPE).to(tl.float32)
-    acc = acc * alpha[:, None] + pv[:, None] * v
+        pv = p.to(CACHE_DTYPE)
+    acc = acc * alpha[:, None] + pv.to(tl.float32)[:, None] * v
     return acc, m_new, l_i * alpha + p
 
 
