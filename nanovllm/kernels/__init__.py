@@ -33,7 +33,8 @@ FRESH_PREFILL = True
 # the store's partial-sector writes cost it 7.3 us a layer at 256 rows against bf16's 2.4
 # on the H200 (benchmarks/kv_store.py). Storing first and then reading the bytes back
 # measured 0.93-0.95x (the store's latency ahead of the longest rows' loops; BENCHMARKS.md).
-# Off: prepared, not measured; the engine reads it when it picks its kernels
+# Off: the second form (this one) measured 0.93-0.95x too (BENCHMARKS.md, eighteenth
+# session); kept only until it is removed. The engine reads it when it picks its kernels
 DECODE_STORES = False
 # norms, RoPE, SiLU (and the one-pass sampler)
 OPS = ("triton", "native", "torch", "compiled")
