@@ -34,11 +34,6 @@ SWITCHES = {
         "nanovllm.kernels", "FRESH_PREFILL", False,
         "an fp8 cache's prefill rows read their own positions from the cache, not the step's "
         "K/V as computed (kernels.FRESH_PREFILL off; before 2026-12-02)"),
-    "--decode-stores": (
-        "nanovllm.kernels", "DECODE_STORES", True,
-        "over an fp8 cache, a step of decode rows stores each row's new K/V from the decode "
-        "program whose split holds it, after adding it from registers, not from the RoPE "
-        "launch (kernels.DECODE_STORES on; prepared 2026-12-02, not measured)"),
     "--v-apart-all": (
         "nanovllm.kernels.triton_kv_store", "V_APART_MAX_TOKENS", 1 << 30,
         "the fused RoPE + store stores every launch's V from programs of their own, a prefill "

@@ -113,12 +113,6 @@
 #                                     # workload, DTYPES (fp8), alternating ROUNDS (0) of the
 #                                     # defaults and --no-fresh-prefill after a warm-up run
 #                                     # (2026-12-02: ROUNDS=8 took 304 s)
-#   bash scripts/gpu_plan.sh decodestores # the decode storing its rows' new K/V (kernels.
-#                                     # DECODE_STORES, off, prepared): its GPU tests
-#                                     # (SKIP_TESTS=1), decode_contexts.py --decode-stores
-#                                     # (SKIP_TABLE=1), then the seed workload, DTYPES (fp8),
-#                                     # alternating ROUNDS (0) of the defaults and
-#                                     # --decode-stores after a warm-up run
 #   bash scripts/gpu_plan.sh syncs    # where the seed workload's host waits on the GPU (torch's
 #                                     # sync debug mode) and the CUDA allocator's mallocs,
 #                                     # frees and retries, bf16 and fp8 caches
@@ -477,28 +471,6 @@ case "$stage" in
         for round in $(seq "$ROUNDS"); do
           offline freshkv.log "round $round $dtype defaults" "$dtype"
           offline freshkv.log "round $round $dtype --no-fresh-prefill" "$dtype" --no-fresh-prefill
-        done
-      done
-    fi ;;
-  decodestores)  # kernels.DECODE_STORES (off, prepared): the decode storing its rows' new
-    # K/V; its GPU tests (SKIP_TESTS=1 skips them), one layer's RoPE, store and decode both
-    # ways with the L2 cold (SKIP_TABLE=1 skips it), then the seed workload, DTYPES (fp8),
-    # alternating ROUNDS (0) of the defaults and --decode-stores after a warm-up run
-    if [ -z "${SKIP_TESTS:-}" ]; then
-      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
-        tests/model/test_decode_stores.py tests/engine/test_fp8_kv.py 2>&1 | tail -2 \
-        | tee "$OUT/decodestores_tests.log"
-    fi
-    if [ -z "${SKIP_TABLE:-}" ]; then
-      timeout 150 python3 -m benchmarks.decode_contexts --decode-stores 2>&1 \
-        | tee "$OUT/decodestores_table.log" | tail -8
-    fi
-    if [ "${ROUNDS:-0}" -gt 0 ]; then
-      for dtype in ${DTYPES:-fp8}; do
-        offline decodestores.log "warm-up $dtype, not counted" "$dtype"
-        for round in $(seq "$ROUNDS"); do
-          offline decodestores.log "round $round $dtype defaults" "$dtype"
-          offline decodestores.log "round $round $dtype --decode-stores" "$dtype" --decode-stores
         done
       done
     fi ;;

@@ -26,16 +26,6 @@ from dataclasses import dataclass
 # (worker/model_runner.py); a bf16 or float32 cache holds the values as computed, so there
 # it stays off (it would only cost: 0.264 ms against 0.246)
 FRESH_PREFILL = True
-# over an fp8 cache, in a step of decode rows only, each row's new K/V stored by the Triton
-# decode program whose split holds it, after its loop, which adds the new position from
-# the step's K/V rounded as stored (triton_attention's `new_kv`), not by the RoPE launch
-# before: a token's V byte goes to each of head_dim rows of its block (V transposed), and
-# the store's partial-sector writes cost it 7.3 us a layer at 256 rows against bf16's 2.4
-# on the H200 (benchmarks/kv_store.py). Storing first and then reading the bytes back
-# measured 0.93-0.95x (the store's latency ahead of the longest rows' loops; BENCHMARKS.md).
-# Off: the second form (this one) measured 0.93-0.95x too (BENCHMARKS.md, eighteenth
-# session); kept only until it is removed. The engine reads it when it picks its kernels
-DECODE_STORES = False
 # norms, RoPE, SiLU (and the one-pass sampler)
 OPS = ("triton", "native", "torch", "compiled")
 ATTENTION = ("triton", "native", "torch")  # paged attention and the K/V store
@@ -63,26 +53,21 @@ class Kernels:
     split_k_linear: Callable | None = None
     # Attention passes each step's K/V to paged_attention as `fresh` (FRESH_PREFILL)
     fresh_prefill: bool = False
-    # a decode step's K/V stored by the decode kernel (DECODE_STORES; Triton attention)
-    decode_stores: bool = False
 
 
 @functools.cache  # equal choices share callables (and compiled graphs)
 def select_kernels(ops: str = "torch", attention: str = "torch",
                    fp8_attention: str = "off", split_k: bool = False,
-                   fresh_prefill: bool = False, decode_stores: bool = False) -> Kernels:
+                   fresh_prefill: bool = False) -> Kernels:
     """The kernels for `ops` (one of OPS) and `attention` (one of ATTENTION); with
     `fp8_attention` ("q" | "qp") the attention over an fp8 cache runs on the fp8 tensor
     cores (kernels/triton_fp8_decode.py; the torch backend: its numerics); `split_k` (Triton
-    ops only): the split-K projections of triton_linear.py; `fresh_prefill` and
-    `decode_stores`: see FRESH_PREFILL and DECODE_STORES."""
+    ops only): the split-K projections of triton_linear.py; `fresh_prefill`: see
+    FRESH_PREFILL."""
     if ops not in OPS or attention not in ATTENTION:
         raise ValueError(f"unknown kernels ops={ops!r} attention={attention!r}")
     if split_k and ops != "triton":
         raise ValueError("split_k needs ops='triton': only its add_rms_norm sums the partials")
-    if decode_stores and (attention != "triton" or fp8_attention != "off"):
-        raise ValueError("decode_stores needs attention='triton' without fp8_attention: only "
-                         "its decode kernel stores the step's K/V")
     if attention == "triton":
         from nanovllm.kernels import triton_attention as attn
     elif attention == "native":
@@ -113,4 +98,4 @@ def select_kernels(ops: str = "torch", attention: str = "torch",
     if split_k:
         from nanovllm.kernels.triton_linear import split_k_linear
     return Kernels(ops, attention, *fns, attn.store_kv, paged_attention, one_pass,
-                   fused_store, split_k_linear, fresh_prefill, decode_stores)
+                   fused_store, split_k_linear, fresh_prefill)

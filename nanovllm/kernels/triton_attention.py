@@ -59,10 +59,10 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
-from nanovllm.kernels.triton_e4m3 import _as_stored_fp8, _rows_to_e4m3, _to_e4m3
+from nanovllm.kernels.triton_e4m3 import _rows_to_e4m3, _to_e4m3
 
 # the backend's other entry point, and the cache-format flags both files launch with
-from nanovllm.kernels.triton_kv_store import _fp8_flags, _store_token, store_kv  # noqa: F401
+from nanovllm.kernels.triton_kv_store import _fp8_flags, store_kv  # noqa: F401
 from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
 LOG2E = 1.4426950408889634
@@ -483,15 +483,12 @@ def _decode_kernel(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt,
-    k_new_ptr, v_new_ptr, slot_ptr,
-    stride_nkt, stride_nkh, stride_nkd, stride_nvt, stride_nvh, stride_nvd,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, WRITE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
     LONGEST_FIRST: tl.constexpr = False, V_T: tl.constexpr = False,
     SKIP_PAST: tl.constexpr = False, K_PLANE: tl.constexpr = False, PDL: tl.constexpr = False,
-    STORE_NEW: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     # num_splits is a runtime int (one compiled kernel serves every split count);
@@ -499,10 +496,6 @@ def _decode_kernel(
     row, kv_head, split = _decode_program(order_ptr, NUM_Q_HEADS // GROUP, LONGEST_FIRST)
     q_start, is_decode, ctx, tile_lo, tile_hi = _decode_span(qsl_ptr, ctx_ptr, row, split,
                                                              num_splits, BLOCK_N)
-    # STORE_NEW (DECODE_STORES): the row's new position is not in the cache yet; the loops
-    # read the positions before it, and the program whose split holds it adds it after its
-    # loop from this step's K/V, then stores it
-    end = ctx - 1 if STORE_NEW else ctx
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -524,65 +517,19 @@ def _decode_kernel(
     # the K/V bytes a decode tile moves
     for tile in range(tile_lo, tile_hi):
         pos = tile * BLOCK_N + offs_n
-        valid = pos < end
+        valid = pos < ctx
         k, k_scale, v, v_scale = _load_tiles(
-            k_cache_ptr, v_cache_ptr, bt_row, tile * BLOCK_N, offs_n, valid, end, kv_head,
+            k_cache_ptr, v_cache_ptr, bt_row, tile * BLOCK_N, offs_n, valid, ctx, kv_head,
             offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
             q_ptr.dtype.element_ty, FP8_ASM, V_T, SKIP_PAST, K_PLANE)
         acc, m_i, l_i = _softmax_step(q.to(k.dtype), k, v, k_scale, v_scale, acc, m_i, l_i,
                                       valid[None, :], scale_log2, True, SCALED, DOT_PRECISION)
-    if STORE_NEW:
-        last = tl.cdiv(ctx, BLOCK_N) - 1
-        if (tile_lo <= last) & (last < tile_hi):
-            k_new = k_new_ptr + kv_head * stride_nkh
-            v_new = v_new_ptr + kv_head * stride_nvh
-            acc, m_i, l_i = _attend_new(
-                q, acc, m_i, l_i, q_start, k_new, v_new, stride_nkt, stride_nkd, stride_nvt,
-                stride_nvd, offs_d, scale_log2, HEAD_DIM, FP8, SCALED,
-                v_cache_ptr.dtype.element_ty)
-            _store_token(
-                q_start, k_new, v_new, k_cache_ptr + kv_head * stride_kh,
-                v_cache_ptr + kv_head * stride_vh, slot_ptr, stride_nkt, stride_nkh,
-                stride_nkd, stride_nvt, stride_nvh, stride_nvd, stride_kb, stride_ks,
-                stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-                1, HEAD_DIM, BLOCK_SIZE, 1, BLOCK_D, FP8, SCALED, V_T, K_PLANE, False)
 
     _decode_out(acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, row, split, num_splits,
                 q_start, heads, head_ok, dim_ok, offs_d, stride_ot, stride_oh, stride_od,
                 NUM_Q_HEADS, HEAD_DIM, WRITE_OUT)
-
-
-@triton.jit
-def _attend_new(q, acc, m_i, l_i, tok, k_ptr, v_ptr, stride_kt, stride_kd, stride_vt,
-                stride_vd, offs_d, scale_log2, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
-                SCALED: tl.constexpr, CACHE_DTYPE: tl.constexpr):
-    # one more position into the online softmax (acc [G, D], m_i, l_i [G]): the token's K/V
-    # ([D] at k_ptr / v_ptr) as the cache will hold them, rounded as _store_token rounds,
-    # weighed as _softmax_step weighs a cached position (P in the V tile's dtype)
-    dim_ok = (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(k_ptr + tok.to(tl.int64) * stride_kt + offs_d[None, :] * stride_kd,
-                mask=dim_ok, other=0.0)
-    v = tl.load(v_ptr + tok.to(tl.int64) * stride_vt + offs_d[None, :] * stride_vd,
-                mask=dim_ok, other=0.0)
-    if FP8:  # the tiles come as q's dtype (float16 on a GPU), unscaled; scales [1]
-        k, k_scale = _as_stored_fp8(k, dim_ok, SCALED)
-        v, v_scale = _as_stored_fp8(v, dim_ok, SCALED)
-        s = tl.sum(q.to(tl.float32) * k, 1) * (k_scale * scale_log2)
-    else:
-        k = k.to(CACHE_DTYPE).to(tl.float32)
-        v = v.to(CACHE_DTYPE).to(tl.float32)
-        s = tl.sum(q.to(tl.float32) * k, 1) * scale_log2
-    m_new = tl.maximum(m_i, s)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new)
-    if FP8:
-        pv = (p * v_scale).to(q.dtype)
-    else:
-        pv = p.to(CACHE_DTYPE)
-    acc = acc * alpha[:, None] + pv.to(tl.float32)[:, None] * v
-    return acc, m_new, l_i * alpha + p
 
 
 @triton.jit
@@ -862,7 +809,6 @@ def paged_attention(
     longest_first: bool = LONGEST_FIRST,
     fp8_attention: str = "off",
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
-    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of q ([T, Hq, D], any strides) over each row's cached context; [T, Hq, D].
 
@@ -874,11 +820,8 @@ def paged_attention(
     the fp8 tensor cores. `fresh`: this step's K and V ([T, Hkv, D] each, in q's dtype, as
     stored): prefill rows read their own positions from them, the earlier ones from the
     cache (the same values over a cache of q's dtype; over an fp8 one, the values before
-    rounding); decode rows, and fp8_attention, read the cache only. `new_kv`: this step's
-    K and V ([T, Hkv, D]), not yet stored, in a step of decode rows only: each row's is its
-    last position, which the decode kernel adds from them, rounded as stored, then stores
-    into meta.slot_mapping's slot (the bytes `store_kv` writes; DECODE_STORES). See the
-    module docstring for what a launch bakes in.
+    rounding); decode rows, and fp8_attention, read the cache only. See the module
+    docstring for what a launch bakes in.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -890,10 +833,6 @@ def paged_attention(
         return out
     group = num_q_heads // num_kv_heads
     scale_log2 = scale * LOG2E
-
-    if new_kv is not None and (meta.max_query_len != 1 or fp8_attention != "off"):
-        raise ValueError("new_kv is for steps of decode rows only, without fp8_attention; "
-                         "store the K/V with store_kv first")
 
     def launch_decode() -> None:
         if fp8_attention != "off":
@@ -907,8 +846,7 @@ def paged_attention(
         _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group,
                        meta.max_context_len, num_splits, decode_config,
                        qsl=meta.query_start_loc, ctx=meta.context_lens, bt=meta.block_tables,
-                       order=_longest_first(meta) if longest_first else None, new_kv=new_kv,
-                       slots=meta.slot_mapping)
+                       order=_longest_first(meta) if longest_first else None)
 
     if meta.max_query_len == 1:
         launch_decode()
@@ -1003,7 +941,7 @@ def _rank_kernel(ctx_ptr, order_ptr, num_rows, BLOCK: tl.constexpr, PDL: tl.cons
 
 
 def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_context_len,
-                   num_splits, cfg, qsl, ctx, bt, order, new_kv=None, slots=None) -> None:
+                   num_splits, cfg, qsl, ctx, bt, order) -> None:
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     flags = _fp8_flags(k_cache, v_cache, head_dim, q)
@@ -1016,13 +954,10 @@ def _launch_decode(q, k_cache, v_cache, out, scale_log2, num_rows, group, max_co
     # run alone at the end; longest first, the last to start are the shortest (LPT order).
     grid = ((num_rows, num_kv_heads, num_splits) if order is None
             else (num_kv_heads * num_splits, num_rows))
-    k_new, v_new = new_kv or (q, q)  # (unread without new_kv)
     _decode_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse, qsl, ctx, bt,
         ctx if order is None else order, scale_log2, num_splits,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0),
-        k_new, v_new, qsl if slots is None else slots,
-        *k_new.stride(), *v_new.stride(), STORE_NEW=new_kv is not None,
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_G=max(cfg.block_m, _pow2(group)),
         BLOCK_N=_block_n(cfg, k_cache, flags), WRITE_OUT=num_splits == 1,

@@ -52,9 +52,11 @@ def _store_fp8(cache, scale_at, x, mask, head_mask, offs_h, offs_d, stride_h, st
     # apart, each in its own row of the block
     # NaN stored as 0, +-inf as +-float32 max, as the reference does: the cache holds finite
     # bytes only, which the attention of a V cache stored transposed relies on
-    x = _finite(x)
+    x = x.to(tl.float32)
+    x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -3.4028234663852886e38),
+                   3.4028234663852886e38)
     if SCALED:
-        scale = _row_scales(x, mask)
+        scale = tl.maximum(tl.max(tl.abs(tl.where(mask, x, 0.0)), 1), 1e-12) / FP8_MAX
         x = x / scale[:, None]
         if PLANES:
             bits = scale.to(tl.int32, bitcast=True)
@@ -67,30 +69,3 @@ def _store_fp8(cache, scale_at, x, mask, head_mask, offs_h, offs_d, stride_h, st
     x = _round_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
     tl.store(cache + offs_h[:, None] * stride_h + offs_d[None, :] * stride_d,
              x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
-
-
-@triton.jit
-def _finite(x):
-    # x as float32, NaN as 0 and +-inf as +-float32 max: what the cache stores of it
-    x = x.to(tl.float32)
-    return tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -3.4028234663852886e38),
-                      3.4028234663852886e38)
-
-
-@triton.jit
-def _row_scales(x, mask):
-    # each row's scale of x [H, D] (finite float32): its largest |value| / 448
-    return tl.maximum(tl.max(tl.abs(tl.where(mask, x, 0.0)), 1), 1e-12) / FP8_MAX
-
-
-@triton.jit
-def _as_stored_fp8(x, mask, SCALED: tl.constexpr):
-    # -> (x [H, D] as _store_fp8 stores it: its e4m3 values in float32, unscaled; each row's
-    # scale [H], 1 where not SCALED), so a reader of the bytes and of this see the same
-    x = _finite(x)
-    if SCALED:
-        scale = _row_scales(x, mask)
-        x = x / scale[:, None]
-    else:
-        scale = tl.full([x.shape[0]], 1.0, tl.float32)
-    return _round_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)), scale

@@ -96,13 +96,10 @@ class ModelRunner:
             self.cpu_threads = CpuThreads.create()
         torch.manual_seed(config.seed)
         # (fp8_attention's kernels read the cache only)
-        fp8_converting = config.kv_cache_dtype == "fp8" and config.fp8_attention == "off"
-        fresh = kernels_module.FRESH_PREFILL and fp8_converting
-        decode_stores = kernels_module.DECODE_STORES and fp8_converting \
-            and config.attention_backend == "triton"
+        fresh = kernels_module.FRESH_PREFILL and config.kv_cache_dtype == "fp8" \
+            and config.fp8_attention == "off"
         self.kernels = select_kernels(config.kernels, config.attention_backend,
-                                      config.fp8_attention, config.split_k, fresh,
-                                      decode_stores)
+                                      config.fp8_attention, config.split_k, fresh)
         start = time.perf_counter()
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)

@@ -216,33 +216,3 @@ def test_fresh_prefill_engines(tiny_llama, triton_device, monkeypatch):
                                         first_logprobs(run("torch", False)))]
     assert max(moved) > 1e-4, "the fp8 prefill read the cache's rounded values"
     run("torch", True, "auto")  # (asserts the switch is off)
-
-
-def test_decode_stores_engines(tiny_llama, triton_device, monkeypatch):
-    """kernels.DECODE_STORES: in steps of decode rows the decode kernel adds each row's new
-    position from the step's K/V and stores it, the RoPE launch none. The Triton engine (on
-    a CPU in Triton's interpreter) gives the same tokens and log-probabilities with it as
-    without it and as the torch engine, with shared prefixes cached and prompts in chunks
-    (the cache's bytes are the same either way; tests/model/test_decode_stores.py has the
-    splits)."""
-    import nanovllm.kernels as kernels
-
-    monkeypatch.setattr(kernels, "FRESH_PREFILL", False)  # (the decode alone differs)
-    prompts = make_prompts(seed=8, count=4, shared_prefix=20)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
-
-    def run(backend, stores):
-        monkeypatch.setattr(kernels, "DECODE_STORES", stores)
-        llm = LLM(str(tiny_llama), device=triton_device, dtype="float32", enforce_eager=True,
-                  kv_cache_dtype="fp8", num_kv_blocks=64, block_size=16,
-                  max_num_batched_tokens=24, attention_backend=backend)
-        assert llm.engine.runner.kernels.decode_stores == (stores and backend == "triton")
-        return llm.generate(prompts, params, use_tqdm=False)
-
-    on, off, reference = run("triton", True), run("triton", False), run("torch", True)
-    for a, b, r in zip(on, off, reference):
-        assert a.token_ids == b.token_ids == r.token_ids
-        for la, lb, lr in zip(a.outputs[0].logprobs, b.outputs[0].logprobs,
-                              r.outputs[0].logprobs, strict=True):
-            # (the new position is summed apart from its tile: float32 rounding)
-            assert all(abs(la[k] - lb[k]) < 1e-4 and abs(la[k] - lr[k]) < 1e-4 for k in la)

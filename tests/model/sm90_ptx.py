@@ -85,7 +85,7 @@ def _signature(fn, args, kwargs):
 
 
 def record(kv_cache_dtype: str, scales: str, k_plane: bool = False,
-           run_stores: bool = False, fresh: bool = False, decode_stores: bool = False) -> list:
+           run_stores: bool = False, fresh: bool = False) -> list:
     import importlib
 
     from nanovllm.kernels.attention_metadata import AttentionMetadata
@@ -147,16 +147,6 @@ def record(kv_cache_dtype: str, scales: str, k_plane: bool = False,
         before = len(calls)
         tb.paged_attention(q, *cache, meta, D**-0.5, fresh=(kv, kv))
         calls[before:] = [c for c in calls[before:] if c[0].__name__ == "_prefill_kernel"]
-    if decode_stores:  # and a step of the decode rows storing their new K/V (DECODE_STORES)
-        before = len(calls)
-        dec = AttentionMetadata(
-            slot_mapping=meta.slot_mapping[:2], query_start_loc=meta.query_start_loc[:3],
-            context_lens=meta.context_lens[:2], block_tables=meta.block_tables[:2],
-            max_query_len=1, max_context_len=meta.max_context_len, query_lens_host=[1, 1],
-            context_lens_host=meta.context_lens_host[:2])
-        new = k_.view(tokens, HKV, D)[:2], v_.view(tokens, HKV, D)[:2]
-        tb.paged_attention(q[:2], *cache, dec, D**-0.5, new_kv=new, longest_first=True)
-        calls[before:] = [c for c in calls[before:] if c[2].get("STORE_NEW")]
     before = len(calls)  # and the decode kernel launched longest row first
     tb.paged_attention(q, *cache, meta, D**-0.5, longest_first=True)
     calls[before:] = [c for c in calls[before:] if c[0].__name__ == "_decode_kernel"]
@@ -297,15 +287,6 @@ def main() -> None:
                                               k_plane=True))):
             launches += [(f"{case}-fresh", call) for call in record(**kw, fresh=True)
                          if call[2].get("FRESH")]
-    if "--decode-stores" in sys.argv[1:]:  # and the decode storing its rows' new K/V
-        # (kernels.DECODE_STORES), over each cache and the GPU's fp8 layout
-        for case, kw in (("bf16", dict(kv_cache_dtype="auto", scales="token")),
-                         ("fp8-token", dict(kv_cache_dtype="fp8", scales="token")),
-                         ("fp8-k-plane", dict(kv_cache_dtype="fp8", scales="token",
-                                              k_plane=True))):
-            launches += [(f"{case}-decode-stores", call)
-                         for call in record(**kw, decode_stores=True)
-                         if call[2].get("STORE_NEW")]
     launches += [("sampler", call) for call in record_sampler()]
     launches += [("split-k", call) for call in record_split_k()]
     if "--pdl" in sys.argv[1:]:  # each kernel as programmatic dependent launch has it

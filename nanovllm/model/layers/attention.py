@@ -22,21 +22,12 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         self.kernels = kernels
 
-    def stores_in_decode(self, meta: AttentionMetadata) -> bool:
-        """Whether the attention kernel stores this step's K/V itself (a step of decode rows
-        only, with kernels.DECODE_STORES), so the caller stores none."""
-        return self.kernels.decode_stores and meta.max_query_len == 1
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 stored: bool = False):
         """`stored`: this step's K/V are in the cache already (RotaryEmbedding.and_store)."""
         kernels = self.kernels
-        extra = {}
-        if self.stores_in_decode(meta):
-            assert not stored
-            extra["new_kv"] = (k, v)
-        elif not stored:
+        if not stored:
             kernels.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if kernels.fresh_prefill:  # see kernels.FRESH_PREFILL
-            extra["fresh"] = (k, v)
-        return kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, **extra)
+        fresh = (k, v) if kernels.fresh_prefill else None  # see kernels.FRESH_PREFILL
+        return kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale,
+                                       fresh=fresh)

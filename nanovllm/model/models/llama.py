@@ -48,8 +48,7 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.attn.kernels.qk_norm_rope_store is not None \
-                and not self.attn.stores_in_decode(meta):  # RoPE and K/V store: one kernel
+        if self.attn.kernels.qk_norm_rope_store is not None:  # RoPE and K/V store: one kernel
             q, k = self.rotary.and_store(positions, q, k, v, self.q_norm, self.k_norm, self.attn,
                                          meta.slot_mapping)
             o = self.attn(q, k, v, meta, stored=True)
