@@ -262,7 +262,7 @@ def make_batch(table: Table, case: str, rows: list[tuple[int, int]], block_size:
 
 
 def main_table(table: Table) -> None:
-    from nanovllm.kernels import triton_attention as triton_backend
+    from nanovllm.kernels import triton_decode as td
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for bs in (16, 256):
@@ -275,7 +275,7 @@ def main_table(table: Table) -> None:
     for num_rows, ctx in ((1, 8192), (8, 8192), (32, 4096), (1, 1100)):
         case = f"decode B={num_rows} ctx={ctx} bs=16"
         if batch := make_batch(table, case, [(1, ctx)] * num_rows, 16):
-            splits = triton_backend.choose_num_splits(num_rows, HKV, ctx, sms)
+            splits = td.choose_num_splits(num_rows, HKV, ctx, sms)
             run_triton(table, case, f"triton auto ({splits} splits)", batch, graph=True)
             run_triton(table, case, "triton 1 split", batch, graph=True, num_splits=1)
             run_reference(table, case, batch)
@@ -301,8 +301,10 @@ def main_table(table: Table) -> None:
 def sweeps(table: Table) -> None:
     """Tile and split choices around the defaults, to check (and retune) them on this GPU."""
     from nanovllm.kernels import triton_attention as tb
+    from nanovllm.kernels import triton_decode as td
+    from nanovllm.kernels import triton_prefill as tp
 
-    print(f"\n-- decode tiles (default {tb.default_decode_config(D, DTYPE)})")
+    print(f"\n-- decode tiles (default {td.default_decode_config(D, DTYPE)})")
     case = "decode tiles B=256 ctx~1100 bs=16"
     if batch := make_batch(table, case, decode_rows(256, 1000, 1200), 16):
         for block_n in (32, 64, 128):
@@ -315,7 +317,7 @@ def sweeps(table: Table) -> None:
 
     decode_split_sweep(table)
 
-    default = tb.default_prefill_config(D, 512, HQ // HKV, DTYPE)
+    default = tp.default_prefill_config(D, 512, HQ // HKV, DTYPE)
     print(f"\n-- prefill tiles (default {default})")
     case = "prefill tiles 8x512 bs=16"
     if batch := make_batch(table, case, [(512, 512)] * 8, 16):
@@ -345,12 +347,14 @@ def prefill_sweep(table: Table, kv: str = "bf16") -> None:
     SDPA on contiguous 8 x 512 for scale; over the engine's cache for `kv` on a GPU (bf16:
     blocks of 16; fp8-token: blocks of 128, V transposed)."""
     from nanovllm.kernels import triton_attention as tb
+    from nanovllm.kernels import triton_prefill as tp
+    from nanovllm.kernels.triton_tiles import FP8_MMA_TILE
 
     rows = seed_prefill_rows()
     bs = 16 if kv == "bf16" else 128
     for case, batch_rows in ((f"prefill seed step {len(rows)} rows bs={bs} {kv}", rows),
                              (f"prefill 8x512 bs={bs} {kv}", [(512, 512)] * 8)):
-        default = tb.default_prefill_config(D, max(q for q, _ in batch_rows), HQ // HKV, DTYPE,
+        default = tp.default_prefill_config(D, max(q for q, _ in batch_rows), HQ // HKV, DTYPE,
                                             fp8=kv != "bf16")
         print(f"\n-- {case} (default {default})")
         if not (batch := make_batch(table, case, batch_rows, bs, kv)):
@@ -372,7 +376,7 @@ def prefill_sweep(table: Table, kv: str = "bf16") -> None:
                 for block_m in (64, 128):
                     for num_warps in (4, 8):
                         for num_stages in (2, 3):
-                            cfg = tb.TileConfig(block_m, tb.FP8_MMA_TILE, num_warps, num_stages)
+                            cfg = tb.TileConfig(block_m, FP8_MMA_TILE, num_warps, num_stages)
                             impl = f"fp8_attention={mode} m{block_m} w{num_warps} s{num_stages}"
                             run_triton(table, case, impl, batch, prefill_config=cfg,
                                        fp8_attention=mode)
@@ -412,6 +416,7 @@ def fp8_table(table: Table, block_sizes: tuple[int, ...] = (256,), sweeps: bool 
     bytes, so equal GB/s means the fp8 run took about half the time), at each cache block
     size, then fp8 decode tiles."""
     from nanovllm.kernels import triton_attention as tb
+    from nanovllm.kernels import triton_decode as td
 
     cases = [(f"{name} bs={bs}", rows, bs) for bs in block_sizes for name, rows in (
         ("decode B=256 ctx~1100", decode_rows(256, 1000, 1200)),
@@ -430,7 +435,7 @@ def fp8_table(table: Table, block_sizes: tuple[int, ...] = (256,), sweeps: bool 
         return
     print("\n-- fp8 decode splits (* = choose_num_splits), ragged 100-2000")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    auto = tb.choose_num_splits(256, HKV, 4096, sms)
+    auto = td.choose_num_splits(256, HKV, 4096, sms)
     rows = decode_rows(256, 100, 2000)
     for kv in ("bf16", "fp8-token", "fp8-tensor"):
         if batch := make_batch(table, f"decode splits ragged {kv}", rows, 256, kv):
@@ -441,7 +446,7 @@ def fp8_table(table: Table, block_sizes: tuple[int, ...] = (256,), sweeps: bool 
                                graph=True, num_splits=splits,
                                decode_config=tb.TileConfig(16, block_n, 4, 2))
         del batch
-    print(f"\n-- fp8 decode tiles (default {tb.default_decode_config(D, DTYPE)})")
+    print(f"\n-- fp8 decode tiles (default {td.default_decode_config(D, DTYPE)})")
     rows = decode_rows(256, 100, 2000)
     for kv in ("fp8-token", "fp8-tensor"):
         case = f"decode tiles ragged 100-2000 bs=256 {kv}"
@@ -530,7 +535,7 @@ def ragged_table(table: Table) -> None:
 
 
 def decode_split_sweep(table: Table) -> None:
-    from nanovllm.kernels import triton_attention as tb
+    from nanovllm.kernels import triton_decode as td
 
     print("\n-- decode splits (* = choose_num_splits)")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -538,7 +543,7 @@ def decode_split_sweep(table: Table) -> None:
     for lo, hi in ((100, 1100), (100, 2000)):
         case = f"decode splits B=256 ragged ctx {lo}-{hi} bs=16"
         if batch := make_batch(table, case, decode_rows(256, lo, hi), 16):
-            auto = tb.choose_num_splits(256, HKV, 4096, sms)
+            auto = td.choose_num_splits(256, HKV, 4096, sms)
             for splits in sorted({1, 2, 4, 8, auto}):
                 run_triton(table, case, f"{splits}{'*' if splits == auto else ''}", batch,
                            graph=True, num_splits=splits)
@@ -546,7 +551,7 @@ def decode_split_sweep(table: Table) -> None:
     for num_rows, ctx in ((1, 2048), (4, 8192), (16, 8192), (64, 4096), (256, 1100)):
         case = f"decode splits B={num_rows} ctx={ctx} bs=16"
         if batch := make_batch(table, case, [(1, ctx)] * num_rows, 16):
-            auto = tb.choose_num_splits(num_rows, HKV, ctx, sms)
+            auto = td.choose_num_splits(num_rows, HKV, ctx, sms)
             for splits in sorted({1, 2, 4, 8, 16, 32, auto}):
                 run_triton(table, case, f"{splits}{'*' if splits == auto else ''}", batch,
                            graph=True, num_splits=splits)

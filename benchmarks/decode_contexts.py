@@ -70,9 +70,9 @@ def main() -> None:
 def print_resources() -> None:
     """The compiled decode kernel's registers, spills and shared memory (what decides how
     many programs an SM holds)."""
-    from nanovllm.kernels import triton_attention as ta
+    from nanovllm.kernels import triton_decode as td
 
-    for cache in getattr(ta._decode_kernel, "device_caches", {}).values():
+    for cache in getattr(td._decode_kernel, "device_caches", {}).values():
         for compiled in cache[0].values():
             print(f"_decode_kernel: {compiled.n_regs} registers, {compiled.n_spills} spilled, "
                   f"{compiled.metadata.shared} B shared", flush=True)

@@ -28,13 +28,14 @@ def decode_tile_table(table: Table, configs: dict[str, list], row_sets) -> None:
     each of `row_sets` ((name, rows) pairs): the bf16 cache in blocks of 16, the fp8 cache
     in blocks of 128 (an fp8 cache's on a GPU), CUDA-graph times."""
     from nanovllm.kernels import triton_attention as tb
+    from nanovllm.kernels import triton_decode as td
 
     for name, rows in row_sets:
         for cache, block_size, kv in (("bf16", 16, "bf16"), ("fp8", 128, "fp8-token")):
             case = f"{name} bs={block_size} {cache}"
             if not (batch := make_batch(table, case, rows, block_size, kv)):
                 continue
-            engine = tb.default_decode_config(D, DTYPE, fp8=cache == "fp8")
+            engine = td.default_decode_config(D, DTYPE, fp8=cache == "fp8")
             run_triton(table, case, f"engine {engine}", batch, graph=True)
             for block_n, warps, stages, regs in configs[cache]:
                 cfg = tb.TileConfig(16, block_n, warps, stages, max_registers=regs)
@@ -85,10 +86,10 @@ def k_plane_table(table: Table) -> None:
 
 def skip_past_table(table: Table) -> None:
     """The fp8 decode (blocks of 128, the engine's tiles) reading nothing past each row's
-    end (triton_attention.SKIP_PAST_END, the default) against reading its last tile whole,
+    end (triton_decode.SKIP_PAST_END, the default) against reading its last tile whole,
     at the seed's contexts (as the engine sees them early and late in the run), ragged
     ones and 64 rows. CUDA-graph times; both checked against the reference."""
-    from nanovllm.kernels import triton_attention as tb
+    from nanovllm.kernels import triton_decode as td
 
     for name, rows in (("decode seed contexts", seed_decode_rows(256)),
                        ("decode B=256 prompts 100-1024", decode_rows(256, 100, 1024)),
@@ -98,10 +99,10 @@ def skip_past_table(table: Table) -> None:
         if not (batch := make_batch(table, case, rows, 128, "fp8-token")):
             continue
         for skip in (True, False, True, False):
-            tb.SKIP_PAST_END = skip
+            td.SKIP_PAST_END = skip
             run_triton(table, case, "skip past end" if skip else "whole last tile", batch,
                        graph=True)
-        tb.SKIP_PAST_END = True
+        td.SKIP_PAST_END = True
         del batch
 
 
@@ -113,7 +114,7 @@ def fp8_split_table(table: Table) -> None:
     import torch
 
     from benchmarks.attention import HKV
-    from nanovllm.kernels import triton_attention as tb
+    from nanovllm.kernels import triton_decode as td
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for num_rows in (16, 32, 64, 128):
@@ -121,7 +122,7 @@ def fp8_split_table(table: Table) -> None:
         if not (batch := make_batch(table, case, decode_rows(num_rows, 600, 2000), 128,
                                     "fp8-token")):
             continue
-        auto = tb.choose_num_splits(num_rows, HKV, 4096, sms)
+        auto = td.choose_num_splits(num_rows, HKV, 4096, sms)
         for splits in sorted({1, 2, 4, 8, 16, auto}):
             run_triton(table, case, f"{splits}{'*' if splits == auto else ''} splits", batch,
                        graph=True, num_splits=splits)
@@ -148,6 +149,7 @@ def group_rows_table(table: Table) -> None:
     fp8 decode at GROUP_ROWS_FP8_TILES with 2 rows. Over position-major and head-major K
     blocks (kv_cache.FP8_K_HEAD_MAJOR), as both may go together. CUDA-graph times."""
     from nanovllm.kernels import triton_attention as tb
+    from nanovllm.kernels import triton_decode as td
 
     for name, rows in (("decode seed contexts", seed_decode_rows(256)),
                        ("decode B=256 ragged 100-2000", decode_rows(256, 100, 2000)),
@@ -156,7 +158,7 @@ def group_rows_table(table: Table) -> None:
             case = f"{name} bs={block_size} {kv}"
             if not (batch := make_batch(table, case, rows, block_size, kv)):
                 continue
-            engine = tb.default_decode_config(D, DTYPE, fp8=kv.startswith("fp8"))
+            engine = td.default_decode_config(D, DTYPE, fp8=kv.startswith("fp8"))
             for block_m in (16, 8, 2):
                 cfg = dataclasses.replace(engine, block_m=block_m)
                 run_triton(table, case, f"engine, dots of {block_m} rows", batch, graph=True,

@@ -137,8 +137,8 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], max_tokens: lis
 
 def set_decode_tile(spec: str, fp8: bool) -> None:
     """--decode-tile POSITIONS,WARPS,STAGES[,REGISTERS]: the decode kernel's tiles for this
-    run's cache, in place of the engine's (triton_attention.DECODE_TILES)."""
-    from nanovllm.kernels import triton_attention as tb
+    run's cache, in place of the engine's (triton_decode.DECODE_TILES)."""
+    from nanovllm.kernels import triton_decode as td
 
     try:
         block_n, warps, stages, *cap = (int(x) for x in spec.split(","))
@@ -146,14 +146,14 @@ def set_decode_tile(spec: str, fp8: bool) -> None:
         raise SystemExit(f"--decode-tile {spec!r}: give POSITIONS,WARPS,STAGES[,REGISTERS], "
                          "e.g. 128,4,5,128") from None
     key = "fp8" if fp8 else "bf16"
-    tb.DECODE_TILES[key] = tb.TileConfig(tb.DECODE_TILES[key].block_m, block_n, warps, stages,
+    td.DECODE_TILES[key] = td.TileConfig(td.DECODE_TILES[key].block_m, block_n, warps, stages,
                                          max_registers=cap[0] if cap else None)
 
 
 def set_engine_switches(args: argparse.Namespace) -> None:
     """The A/B flags that set module switches (benchmarks/switches.py) and the decode's
     tiles for this run's engine."""
-    from nanovllm.kernels import triton_attention as tb
+    from nanovllm.kernels import triton_decode as td
 
     apply_switches(args)
     fp8 = args.kv_cache_dtype == "fp8"
@@ -162,16 +162,16 @@ def set_engine_switches(args: argparse.Namespace) -> None:
     if args.decode_group_rows:
         set_decode_group_rows(args.decode_group_rows, fp8)
     if args.decode_programs_per_sm:
-        tb.TARGET_PROGRAMS_PER_SM = args.decode_programs_per_sm
+        td.TARGET_PROGRAMS_PER_SM = args.decode_programs_per_sm
 
 
 def set_decode_group_rows(rows: int, fp8: bool) -> None:
     """--decode-group-rows N: the decode's dots over max(N, the GQA group) rows instead of the
     group's only (TileConfig.block_m of this run's cache's tiles; 16 was the default)."""
-    from nanovllm.kernels import triton_attention as tb
+    from nanovllm.kernels import triton_decode as td
 
     key = "fp8" if fp8 else "bf16"
-    tb.DECODE_TILES[key] = dataclasses.replace(tb.DECODE_TILES[key], block_m=rows)
+    td.DECODE_TILES[key] = dataclasses.replace(td.DECODE_TILES[key], block_m=rows)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -302,13 +302,13 @@ def main() -> None:
                     "(default: the engine's, off)")
     ap.add_argument("--decode-tile", metavar="N,W,S[,R]",
                     help="the decode kernel's tiles for this cache: positions, warps, stages "
-                    "and a register cap (default: the engine's, triton_attention.DECODE_TILES)")
+                    "and a register cap (default: the engine's, triton_decode.DECODE_TILES)")
     ap.add_argument("--decode-group-rows", type=int, metavar="N",
                     help="the decode's dots over N rows (or the GQA group's, if more) "
                     "instead of the group's only (16: before 2026-12-01)")
     ap.add_argument("--decode-programs-per-sm", type=int, metavar="N",
                     help="the decode's KV splits aim at N programs an SM (default: the "
-                    "engine's, triton_attention.TARGET_PROGRAMS_PER_SM)")
+                    "engine's, triton_decode.TARGET_PROGRAMS_PER_SM)")
     add_switches(ap)
     ap.add_argument("--sync-debug", action="store_true",
                     help="a diagnostic run: list the lines where the first timed run made the "

@@ -9,9 +9,9 @@ import importlib
 # flag: (module, constant, the value the flag sets, help)
 SWITCHES = {
     "--read-whole-tiles": (
-        "nanovllm.kernels.triton_attention", "SKIP_PAST_END", False,
+        "nanovllm.kernels.triton_decode", "SKIP_PAST_END", False,
         "an fp8 cache's attention reads each row's last tile whole, past the context's end "
-        "(triton_attention.SKIP_PAST_END off; before 2026-12-01)"),
+        "(triton_decode.SKIP_PAST_END off; before 2026-12-01)"),
     "--no-k-scale-plane": (
         "nanovllm.worker.kv_cache", "FP8_K_SCALE_PLANE", False,
         "an fp8 K cache's scales after each row, padded to 144 bytes, not in a plane after "
@@ -44,9 +44,9 @@ SWITCHES = {
         "the step's Triton kernels as plain launches, not programmatic dependent ones "
         "(kernels/triton_pdl.py PDL off; before 2026-12-02)"),
     "--argsort-order": (
-        "nanovllm.kernels.triton_attention", "RANK_KERNEL", False,
+        "nanovllm.kernels.triton_decode", "RANK_KERNEL", False,
         "the decode's longest-first order by torch's sort, not the ranking kernel "
-        "(triton_attention.RANK_KERNEL off; before 2026-12-01)"),
+        "(triton_decode.RANK_KERNEL off; before 2026-12-01)"),
     "--gumbel-sampler": (
         "nanovllm.kernels.triton_cdf_sampling", "INVERSE_CDF", False,
         "greedy / temperature rows sampled by triton_sampling's Gumbel race (a uniform and two "

@@ -48,7 +48,7 @@
 #                                     # default; e.g. --decode-tile 64,4,3) against the defaults,
 #                                     # alternating, ROUNDS times (1)
 #   bash scripts/gpu_plan.sh skippast # an fp8 cache's last tiles read to the context's end
-#                                     # (triton_attention.SKIP_PAST_END): the fp8 GPU tests
+#                                     # (triton_decode.SKIP_PAST_END): the fp8 GPU tests
 #                                     # (SKIP_TESTS=1 skips them), attention.py --skip-past
 #                                     # (SKIP_TABLE=1 skips it), then the seed workload, fp8,
 #                                     # against --read-whole-tiles (and with ARGSORT=1

@@ -1,7 +1,7 @@
 """Decode attention over an fp8 cache on the tensor cores' fp8 path: the engine's
 `fp8_attention` ("q" or "qp"; off by default until the H200 has measured it).
 
-`triton_attention._decode_kernel` converts every K and V byte to float16 in registers before
+`triton_decode._decode_kernel` converts every K and V byte to float16 in registers before
 its dots (the GQA group's query heads, padded to 16, are the dots' M): per byte of cache that
 is about twice the instructions of the bf16 kernel, and the fp8 decode reads at ~0.74 of
 what its bytes allow on the H200 (BENCHMARKS.md). Here the operands are swapped, as
@@ -22,7 +22,7 @@ no conversion of the cache at all. The price is precision, on two sides:
 
 `torch_attention.fp8_decode_reference` states those numerics in torch (the torch backend's
 `fp8_attention`); the tests hold the kernel to it (CPU interpreter and CUDA) and both to
-the fp32 attention within fp8's error. Same launch contract as `triton_attention`'s decode:
+the fp32 attention within fp8's error. Same launch contract as `triton_decode`'s kernel:
 one program per (row, kv head, split), the longest rows first given their order, partials
 combined by its `_reduce_kernel`, rows whose query length is not 1 left alone. Supports
 what the engine's fp8 cache is on a GPU: V transposed within blocks of a multiple of 128
@@ -34,21 +34,18 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
-from nanovllm.kernels.triton_attention import (
-    FP8_MMA_TILE,
-    LOG2E,
-    NEG_BIG,
+from nanovllm.kernels.triton_decode import (
     _decode_out,
     _decode_program,
     _decode_span,
     _num_sms,
-    _tile_block,
     choose_num_splits,
     reduce_splits,
     split_partials,
 )
 from nanovllm.kernels.triton_e4m3 import _rows_to_e4m3, _to_e4m3
 from nanovllm.kernels.triton_kv_store import _fp8_flags
+from nanovllm.kernels.triton_tiles import FP8_MMA_TILE, LOG2E, NEG_BIG, _tile_block
 
 BLOCK_N = FP8_MMA_TILE  # positions a tile, as fp8_attention's prefill (one 128-token block)
 

@@ -72,9 +72,9 @@ def _split_k_kernel(x_ptr, w_ptr, parts_ptr, M, N, K, k_len, stride_x, stride_w,
 
 @functools.lru_cache(maxsize=8)
 def _sms(device: torch.device) -> int:
-    # the attention's SM count (an H200's off the GPU); imported here, once a device, as
-    # triton_attention imports triton_ops, which imports this module
-    from nanovllm.kernels.triton_attention import _num_sms
+    # the decode attention's SM count (an H200's off the GPU); imported here, once a device,
+    # as triton_decode imports triton_kv_store, then triton_ops, which imports this module
+    from nanovllm.kernels.triton_decode import _num_sms
 
     return _num_sms(device)
 

@@ -4,10 +4,11 @@ count of a second ladder, every row of the buffers in each. Padded rows and toke
 KV (slot -1) and attend to nothing (context length 0), so they cannot touch real rows.
 
 Mixed steps can be captured because the Triton attention launches depend only on the token
-and row counts and the longest query and context allowed (kernels/triton_attention.py): a
-graph captured for T tokens, every row, queries up to T and contexts up to max_model_len
-serves any step of T tokens. The ladder stops at MIXED_GRAPH_MAX_TOKENS: past it a step's
-matmuls dwarf its launches, and padding would cost more than the graph saves.
+and row counts and the longest query and context allowed (kernels/triton_attention.py and
+the decode and prefill modules it calls): a graph captured for T tokens, every row, queries
+up to T and contexts up to max_model_len serves any step of T tokens. The ladder stops at
+MIXED_GRAPH_MAX_TOKENS: past it a step's matmuls dwarf its launches, and padding would cost
+more than the graph saves.
 """
 
 import torch

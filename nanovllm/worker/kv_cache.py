@@ -136,7 +136,7 @@ class KVCache:
         block_size] bytes, a row per dimension, the block's positions contiguous (its view
         has unit stride over slots). P @ V contracts over positions, and fp8 values laid out
         the other way reach the tensor cores only one byte per load or through a second
-        trip through shared memory (kernels/triton_attention.py). With FP8_K_HEAD_MAJOR an fp8
+        trip through shared memory (kernels/triton_tiles.py). With FP8_K_HEAD_MAJOR an fp8
         K cache is head-major within each block too ([heads, block_size, width]; its view
         keeps the [blocks, block_size, Hkv, width] shape), and with FP8_K_SCALE_PLANE its
         scales in a plane after the values (torch_attention.k_scale_plane). The block keeps

@@ -49,7 +49,7 @@ def test_two_engines_in_one_process_each_run_their_kernels(tiny_llama, hf_tiny_l
         assert holders and all(m.kernels is kernels for m in holders)
 
     norms = counting(monkeypatch, triton_ops, "_launch_norm")
-    attention = counting(monkeypatch, triton_attention, "_launch_decode")
+    attention = counting(monkeypatch, triton_attention, "launch_decode")
     prompts = make_prompts(seed=11, count=3)
     plain_out = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
     assert norms == [0] and attention == [0], "the torch engine ran a Triton kernel"

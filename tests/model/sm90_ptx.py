@@ -91,17 +91,18 @@ def record(kv_cache_dtype: str, scales: str, k_plane: bool = False,
     from nanovllm.kernels.attention_metadata import AttentionMetadata
     from nanovllm.worker.kv_cache import KVFormat
 
-    # fresh modules (the store's first: the attention module re-exports its store_kv), their
-    # kernels swapped for recorders
-    ts = importlib.reload(importlib.import_module("nanovllm.kernels.triton_kv_store"))
-    tb = importlib.reload(importlib.import_module("nanovllm.kernels.triton_attention"))
-    fd = importlib.reload(importlib.import_module("nanovllm.kernels.triton_fp8_decode"))
+    # fresh modules, each after those it imports from (the attention module re-exports the
+    # store's store_kv and calls the decode's and prefill's launchers), their kernels
+    # swapped for recorders
+    ts, td, tp, fd, tb = (importlib.reload(importlib.import_module(f"nanovllm.kernels.{m}"))
+                          for m in ("triton_kv_store", "triton_decode", "triton_prefill",
+                                    "triton_fp8_decode", "triton_attention"))
     ts.RUN_STORES = run_stores
     fmt = KVFormat.of(kv_cache_dtype, scales, torch.bfloat16, D)
     calls = []
     for module, name in ((ts, "_store_kv_kernel"), (ts, "_rope_store_kernel"),
-                         (tb, "_decode_kernel"),
-                         (tb, "_reduce_kernel"), (tb, "_prefill_kernel"), (tb, "_rank_kernel"),
+                         (td, "_decode_kernel"),
+                         (td, "_reduce_kernel"), (tp, "_prefill_kernel"), (td, "_rank_kernel"),
                          (fd, "_decode_fp8_kernel")):
         setattr(module, name, Recorder(getattr(module, name), calls))
     # a mixed step: two decode rows with long contexts (KV splits) and a prefill chunk

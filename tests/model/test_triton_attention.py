@@ -22,6 +22,7 @@ from nanovllm.kernels.attention_metadata import AttentionMetadata
 from tests.support import triton_module
 
 tb = triton_module("nanovllm.kernels.triton_attention")
+td = triton_module("nanovllm.kernels.triton_decode")
 
 # relative L2 error per token: fp32 differs from fp64 by summation order only; half dtypes
 # by the rounding of q, k, v and of the probabilities before the second dot
@@ -212,7 +213,7 @@ def test_longest_first_ranks_rows_as_a_stable_sort(triton_device):
     for lens in ([7], [3, 9, 9, 0, 1, 9, 0], torch.randint(0, 40, (300,), generator=gen).tolist()):
         ctx = torch.tensor(lens, dtype=torch.int32, device=triton_device)
         meta = SimpleNamespace(context_lens=ctx, derived={})
-        got = tb._longest_first(meta)
+        got = td._longest_first(meta)
         want = torch.sort(ctx.cpu(), descending=True, stable=True).indices
         assert got.dtype == torch.int32 and torch.equal(got.cpu().long(), want), lens
 
@@ -302,12 +303,12 @@ def test_padded_decode_rows(triton_device, splits):
 
 
 def test_choose_num_splits():
-    assert tb.choose_num_splits(256, 8, 1100) == 1  # 2048 programs already fill 132 SMs
-    assert tb.choose_num_splits(1, 8, 1100) == 5  # capped by >= 256 tokens per split
-    assert tb.choose_num_splits(4, 8, 32768) == 17  # 4 programs per SM
-    assert tb.choose_num_splits(1, 1, 10**6) == tb.MAX_SPLITS
-    assert tb.choose_num_splits(1, 8, 200) == 1
-    assert tb.choose_num_splits(0, 8, 1000) == 1
+    assert td.choose_num_splits(256, 8, 1100) == 1  # 2048 programs already fill 132 SMs
+    assert td.choose_num_splits(1, 8, 1100) == 5  # capped by >= 256 tokens per split
+    assert td.choose_num_splits(4, 8, 32768) == 17  # 4 programs per SM
+    assert td.choose_num_splits(1, 1, 10**6) == td.MAX_SPLITS
+    assert td.choose_num_splits(1, 8, 200) == 1
+    assert td.choose_num_splits(0, 8, 1000) == 1
 
 
 # ---------------------------------------------------------------------------------------

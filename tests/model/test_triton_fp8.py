@@ -13,6 +13,7 @@ from tests.model.test_triton_attention import SMALL, Case, check_close, referenc
 from tests.support import triton_module
 
 tb = triton_module("nanovllm.kernels.triton_attention")
+td = triton_module("nanovllm.kernels.triton_decode")
 NAN_BYTE = 0x7F  # e4m3fn NaN
 
 CASES = [
@@ -126,7 +127,7 @@ def test_decode_reads_nothing_past_the_vector_holding_the_end(triton_device, ski
     (NaN there leaves the attention exact); reading whole tiles on a GPU, NaN there poisons
     the rows whose last tile it lies in: proof the bytes are skipped, not merely weighted
     0. (Triton's interpreter reads e4m3's NaN byte as 480, which weighs 0.)"""
-    monkeypatch.setattr(tb, "SKIP_PAST_END", skip)
+    monkeypatch.setattr(td, "SKIP_PAST_END", skip)
     rows = [(1, 40), (1, 70), (1, 3), (1, 128), (1, 97)]
     c, k8, v8, _ = fp8_case(("tail", rows, 4, 2, 64, 64, None, None), True, triton_device)
     d = c.q.shape[-1]
