@@ -53,6 +53,10 @@
 #                                     # (SKIP_TABLE=1 skips it), then the seed workload, fp8,
 #                                     # against --read-whole-tiles (and with ARGSORT=1
 #                                     # --argsort-order), alternating, ROUNDS (1)
+#   bash scripts/gpu_plan.sh prefetch # a projection's weights asked of the L2 before the
+#                                     # PDL wait of the kernel before it (triton_pdl.
+#                                     # PREFETCH_WEIGHTS, off): its GPU tests, a decode
+#                                     # step's kernels both ways, the seed workload alternating
 #   bash scripts/gpu_plan.sh fp8splits # the fp8 decode's KV splits at small batches
 #                                     # (attention.py --fp8-splits), then the seed workload,
 #                                     # fp8, defaults against --decode-programs-per-sm PER_SM
@@ -474,6 +478,30 @@ case "$stage" in
         done
       done
     fi ;;
+  prefetch)  # triton_pdl.PREFETCH_WEIGHTS (off, prepared): its GPU tests (SKIP_TESTS=1
+    # skips them), a decode step's kernels both ways (SKIP_PROFILE=1 skips it: qkv, gate_up
+    # and the split-K launches are the ones it should shorten), then the seed workload,
+    # DTYPES (fp8 auto), the defaults against --prefetch-weights, alternating, ROUNDS (2),
+    # after a warm-up run
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_prefetch.py \
+        tests/model/test_triton_linear.py tests/model/test_fused_ops.py 2>&1 | tail -2 \
+        | tee "$OUT/prefetch_tests.log"
+    fi
+    if [ -z "${SKIP_PROFILE:-}" ]; then
+      for flags in "" --prefetch-weights; do
+        # shellcheck disable=SC2086
+        timeout 120 python3 -m benchmarks.profile_step --kv-cache-dtype fp8 $flags 2>&1 \
+          | sed "s/^/${flags:-defaults}: /" | tee -a "$OUT/prefetch_profile.log" | tail -24
+      done
+    fi
+    for dtype in ${DTYPES:-fp8 auto}; do
+      offline prefetch.log "warm-up $dtype, not counted" "$dtype"
+      for round in $(seq "${ROUNDS:-2}"); do
+        offline prefetch.log "round $round $dtype defaults" "$dtype"
+        offline prefetch.log "round $round $dtype --prefetch-weights" "$dtype" --prefetch-weights
+      done
+    done ;;
   syncs)
     for dtype in auto fp8; do
       timeout 120 python3 -m benchmarks.offline --no-peer --sync-debug --kv-cache-dtype $dtype \

@@ -83,12 +83,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def forward(self, x, residual, positions, meta):
+        # each norm is told the weights the projection after it reads (a prefetch hint)
+        qkv = self.self_attn.qkv_proj.weight
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x, self.input_layernorm(x, prefetch=qkv)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, prefetch=qkv)
         x = self.self_attn(x, positions, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(x, residual,
+                                                    prefetch=self.mlp.gate_up_proj.weight)
         return self.mlp(x), residual
 
 
