@@ -479,8 +479,9 @@ case "$stage" in
       done
     fi ;;
   prefetch)  # triton_pdl.PREFETCH_WEIGHTS (off, prepared): its GPU tests (SKIP_TESTS=1
-    # skips them), a decode step's kernels both ways (SKIP_PROFILE=1 skips it: qkv, gate_up
-    # and the split-K launches are the ones it should shorten), then the seed workload,
+    # skips them), norm + projection pairs both ways (benchmarks/blas.py --prefetch), a
+    # decode step's kernels both ways (SKIP_PROFILE=1 skips it: qkv, gate_up and the
+    # split-K launches are the ones it should shorten), then the seed workload,
     # DTYPES (fp8 auto), the defaults against --prefetch-weights, alternating, ROUNDS (2),
     # after a warm-up run
     if [ -z "${SKIP_TESTS:-}" ]; then
@@ -488,6 +489,8 @@ case "$stage" in
         tests/model/test_triton_linear.py tests/model/test_fused_ops.py 2>&1 | tail -2 \
         | tee "$OUT/prefetch_tests.log"
     fi
+    timeout 60 python3 -m benchmarks.blas --prefetch 2>&1 | tee "$OUT/prefetch_pairs.log" \
+      | tail -6
     if [ -z "${SKIP_PROFILE:-}" ]; then
       for flags in "" --prefetch-weights; do
         # shellcheck disable=SC2086
