@@ -13,8 +13,8 @@ dtype, the block table's width (its stride), num_splits (from num_rows and
 meta.max_context_len, or the caller's) and the tile config; the lengths, tables and query
 positions are read on the device, so a captured decode graph replays with new values of
 them. Any num_splits is correct for any context lengths: splits past a row's context are
-empty and weigh nothing in the reduction. Padding rows (context_len 0, query_len 0) give
-zeros, or nothing, and read nothing.
+empty and weigh nothing in the reduction. A padding row (context_len 0) reads nothing and
+gives zeros in its output row, or nothing if its query_len is 0.
 
 triton_fp8_decode.py (fp8_attention) builds on the pieces here (`_decode_program`,
 `_decode_span`, `_decode_out`, `split_partials`, `reduce_splits`).
