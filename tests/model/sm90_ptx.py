@@ -13,7 +13,8 @@ its count of shared-memory stores, the shared memory it needs and, from the cubi
 the cuobjdump Triton ships), its registers a thread and bytes spilled to local memory.
 `--fresh` adds the prefill kernel with paged_attention's `fresh` over each cache;
 `--prefetch` the RMSNorm and split-K kernels asking the L2 for weights
-(triton_pdl.PREFETCH_WEIGHTS).
+(triton_pdl.PREFETCH_WEIGHTS), and the fp8 decode for its first tile
+(triton_decode.PREFETCH_FIRST_TILE).
 `--decode-tiles` instead compiles the decode kernels at the tiles benchmarks/attention.py
 --decode-buffers times, and says how many buffers each tile's K/V loads got. `--dump DIR`
 also writes each compiled launch's PTX, TTGIR (its loads' thread layouts) and cubin (SASS
@@ -319,6 +320,11 @@ def main() -> None:
         launches += [("norm-prefetch", call) for call in record_norms(prefetch=True)]
         launches += [("split-k-prefetch", (fn, args, dict(kwargs, PREFETCH=True)))
                      for fn, args, kwargs in record_split_k()]
+        # and the decode asking for its first tile (triton_decode.PREFETCH_FIRST_TILE), over
+        # the GPU's fp8 layout, the only one it takes
+        launches += [("fp8-k-plane-prefetch", (fn, args, dict(kwargs, PREFETCH=True)))
+                     for fn, args, kwargs in record("fp8", "token", k_plane=True)
+                     if fn.__name__ == "_decode_kernel"]
     if "--pdl" in sys.argv[1:]:  # each kernel as programmatic dependent launch has it
         for _, (fn, _, kwargs) in launches:
             if "PDL" in fn.arg_names:

@@ -1,7 +1,8 @@
 """Weights asked of the L2 ahead of their projection (kernels/triton_pdl.py
 PREFETCH_WEIGHTS): the RMSNorms before qkv and gate_up are told the projection's weight,
-and the split-K projections ask for their own rows, before their PDL wait. A hint: every
-result is the same bits with it as without, and it is never taken off a GPU. That the
+and the split-K projections ask for their own rows, before their PDL wait; and the fp8
+decode's first tiles (triton_decode.PREFETCH_FIRST_TILE). Hints: every result is the same
+bits with them as without, and they are never taken off a GPU. That the
 prefetch compiles before the wait is test_triton_ptx.py's; what it gains is BENCHMARKS.md's.
 """
 
@@ -15,6 +16,7 @@ from tests.support import greedy, make_prompts, triton_module
 pdl = triton_module("nanovllm.kernels.triton_pdl")
 ops = triton_module("nanovllm.kernels.triton_ops")
 linear = triton_module("nanovllm.kernels.triton_linear")
+decode = triton_module("nanovllm.kernels.triton_decode")
 
 
 def randn(*shape, device, dtype, seed) -> torch.Tensor:
@@ -64,13 +66,20 @@ def test_gpu_split_k_with_prefetch_gives_the_same_bits(rows, k, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_engine_with_prefetch_gives_the_same_tokens(tiny_model, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_gpu_engine_with_prefetch_gives_the_same_tokens(tiny_model, kv_cache_dtype,
+                                                        monkeypatch):
+    # and the fp8 decode asking for its first tile (triton_decode.PREFETCH_FIRST_TILE),
+    # which an fp8 cache in the GPU's layout takes
     prompts = make_prompts(seed=7, count=8, shared_prefix=8)
     outs = []
     for on in (False, True):
         monkeypatch.setattr(pdl, "PREFETCH_WEIGHTS", on)
-        llm = LLM(str(tiny_model), device="cuda", dtype="bfloat16", max_model_len=256,
-                  kv_cache_gib=1)
-        outs.append([o.token_ids for o in llm.generate(prompts, greedy(12), use_tqdm=False)])
+        monkeypatch.setattr(decode, "PREFETCH_FIRST_TILE", on)
+        llm = LLM(str(tiny_model), device="cuda", dtype="bfloat16", max_model_len=512,
+                  kv_cache_gib=1, kv_cache_dtype=kv_cache_dtype)
+        long = [p * 4 for p in prompts[:2]]  # contexts of several blocks, and KV splits
+        outs.append([o.token_ids for o in llm.generate(prompts + long, greedy(12),
+                                                       use_tqdm=False)])
         del llm
     assert outs[0] == outs[1]
