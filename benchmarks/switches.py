@@ -44,9 +44,9 @@ SWITCHES = {
         "the step's Triton kernels as plain launches, not programmatic dependent ones "
         "(kernels/triton_pdl.py PDL off; before 2026-12-02)"),
     "--argsort-order": (
-        "nanovllm.kernels.triton_decode", "RANK_KERNEL", False,
+        "nanovllm.kernels.triton_rank", "RANK_KERNEL", False,
         "the decode's longest-first order by torch's sort, not the ranking kernel "
-        "(triton_decode.RANK_KERNEL off; before 2026-12-01)"),
+        "(triton_rank.RANK_KERNEL off; before 2026-12-01)"),
     "--gumbel-sampler": (
         "nanovllm.kernels.triton_cdf_sampling", "INVERSE_CDF", False,
         "greedy / temperature rows sampled by triton_sampling's Gumbel race (a uniform and two "

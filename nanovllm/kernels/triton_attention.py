@@ -26,12 +26,13 @@ row, or nothing if their query_len is 0, never NaN, and touch no cache slot.
 import torch
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
-from nanovllm.kernels.triton_decode import LONGEST_FIRST, _longest_first, launch_decode
+from nanovllm.kernels.triton_decode import launch_decode
 from nanovllm.kernels.triton_fp8_decode import decode_fp8
 
 # the backend's other entry point
 from nanovllm.kernels.triton_kv_store import store_kv  # noqa: F401
 from nanovllm.kernels.triton_prefill import launch_prefill
+from nanovllm.kernels.triton_rank import LONGEST_FIRST, _longest_first
 from nanovllm.kernels.triton_tiles import LOG2E, TileConfig
 
 

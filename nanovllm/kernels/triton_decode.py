@@ -5,7 +5,7 @@ One program per (row, kv head, split): the kv head's GQA query heads are the M d
 K/V tile is read once per group. With num_splits > 1 each split covers a slice of the
 context and writes a partial (normalized acc, log2-sum-exp), and `_reduce_kernel` combines
 the splits (flash-decoding). With `longest_first` the grid is (kv head x split, row slot)
-and slot i runs the i-th longest row, ranked on the device by `_rank_kernel`: the GPU starts
+and slot i runs the i-th longest row, ranked on the device (triton_rank.py): the GPU starts
 programs in grid order, so no long row starts last and runs alone at the end.
 
 A launch bakes in num_rows (= context_lens.shape[0]), the heads, head_dim, block_size,
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
 from nanovllm.kernels.triton_kv_store import _fp8_flags
-from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch, prefetch_l2
+from nanovllm.kernels.triton_pdl import can_prefetch, pdl_enter, pdl_launch, prefetch_l2
 from nanovllm.kernels.triton_tiles import (
     NEG_BIG,
     TileConfig,
@@ -45,19 +45,11 @@ from nanovllm.kernels.triton_tiles import (
 TARGET_PROGRAMS_PER_SM = 4  # bf16 d128 decode programs fit ~5 per SM (regs and smem)
 MIN_SPLIT_TOKENS = 256  # fewer tokens per split and the partial write + reduce dominate
 MAX_SPLITS = 64
-# decode programs of the longest contexts start first (paged_attention's `longest_first`):
-# on the H200 the seed's ragged decode contexts read at 1.01 of copy bandwidth with it, 0.88
-# without, and the seed workload runs 1.05x faster (BENCHMARKS.md)
-LONGEST_FIRST = True
 # an fp8 cache's decode tiles (whole in one block) read nothing past the context's end: K
 # row by row, V 16 positions at a time. Off, they read the whole tile, on average half of the
 # last one past the end. (Prefill tiles read whole: masked, Triton loaded their V scales a
 # byte at a time, and prefill is bound by its dots, not its reads.)
 SKIP_PAST_END = True
-# the longest-first order ranked by one launch of B small programs (_rank_kernel); off,
-# torch's argsort (a radix sort of several launches, 18 us a step at 256 rows on the H200)
-RANK_KERNEL = True
-RANK_BLOCK = 128  # rows a _rank_kernel program compares at a time
 # Prepared, off (not measured yet): under PDL, each decode program of an fp8 cache (K
 # head-major with its scale plane, V transposed, tiles of a whole block) first asks the L2
 # for its first tile's K and V, a block-head each (~17 KB), then waits for the kernel before
@@ -281,39 +273,6 @@ def _reduce_kernel(
              res.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def _longest_first(meta: AttentionMetadata) -> torch.Tensor:
-    """The rows by context length, longest first, ties in row order ([B] int32), ranked on
-    the device once per step (every layer shares it; a CUDA graph replays the launch)."""
-    order = meta.derived.get("longest_first")
-    if order is None:
-        lens = meta.context_lens
-        if not RANK_KERNEL:
-            order = torch.sort(lens, descending=True, stable=True).indices.to(torch.int32)
-        else:
-            order = torch.empty(lens.shape[0], dtype=torch.int32, device=lens.device)
-            if lens.shape[0]:
-                _rank_kernel[(lens.shape[0],)](lens, order, lens.shape[0], BLOCK=RANK_BLOCK,
-                                               num_warps=4, **pdl_launch(lens))
-        meta.derived["longest_first"] = order
-    return order
-
-
-@triton.jit(do_not_specialize=["num_rows"])  # see triton_tiles' _NO_RESPECIALIZE
-def _rank_kernel(ctx_ptr, order_ptr, num_rows, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    # program i puts row i at its place: the rows with longer contexts, and the rows before it
-    # with as long a one, go ahead of it (RANK_KERNEL). The rows are counted BLOCK at a time,
-    # so one compiled variant serves every row count.
-    pdl_enter(PDL)
-    i = tl.program_id(0)
-    mine = tl.load(ctx_ptr + i)
-    ahead = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(0, num_rows, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        lens = tl.load(ctx_ptr + offs, mask=offs < num_rows, other=-1)
-        ahead += ((lens > mine) | ((lens == mine) & (offs < i))).to(tl.int32)
-    tl.store(order_ptr + tl.sum(ahead, 0), i)
-
-
 def launch_decode(q, k_cache, v_cache, out, scale_log2: float, meta: AttentionMetadata,
                   num_splits: int | None = None, cfg: TileConfig | None = None,
                   order: torch.Tensor | None = None) -> None:
@@ -354,12 +313,10 @@ def _prefetches(q, k_cache, v_cache, flags: dict, cfg: TileConfig) -> bool:
     """Whether the decode launch asks the L2 for its first tiles (PREFETCH_FIRST_TILE): an fp8
     cache in the GPU's layout, tiles of a whole block, under PDL, the block-heads' bytes
     a multiple of 16 from 16-byte aligned caches."""
-    if not (PREFETCH_FIRST_TILE and flags.get("K_PLANE") and flags.get("V_T")
-            and _block_n(cfg, k_cache, flags) == k_cache.shape[1] and pdl_launch(q)["PDL"]):
-        return False
-    heads = k_cache.shape[2]
-    return all(c.stride(0) % (16 * heads) == 0 and c.data_ptr() % 16 == 0
-               for c in (k_cache, v_cache))
+    return bool(PREFETCH_FIRST_TILE and flags.get("K_PLANE") and flags.get("V_T")
+                and _block_n(cfg, k_cache, flags) == k_cache.shape[1]
+                and can_prefetch(q, k_cache, v_cache)
+                and all(c.stride(0) % (16 * c.shape[2]) == 0 for c in (k_cache, v_cache)))
 
 
 def split_partials(out: torch.Tensor, num_rows: int, num_splits: int):

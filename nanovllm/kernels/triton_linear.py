@@ -112,6 +112,5 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
         x, weight, parts, m, n, k, k // splits, x.stride(0), weight.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=stages, PREFETCH=prefetch_launch(x) and weight.data_ptr() % 16 == 0,
-        **pdl_launch(x))
+        num_warps=4, num_stages=stages, PREFETCH=prefetch_launch(x, weight), **pdl_launch(x))
     return SplitK(parts, x.dtype)

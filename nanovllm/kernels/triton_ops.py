@@ -101,9 +101,9 @@ def _launch_norm(x2, r2, ro2, weight, out2, eps, parts: torch.Tensor | None = No
         return
     block = _pow2(n)
     has_res = r2 is not None
-    pf = (prefetch is not None and prefetch.numel() > 0 and prefetch.is_contiguous()
-          and prefetch.device == x2.device and prefetch.nbytes % 16 == 0
-          and prefetch.data_ptr() % 16 == 0 and prefetch_launch(x2))
+    pf = (prefetch is not None and prefetch_launch(x2, prefetch) and prefetch.numel() > 0
+          and prefetch.is_contiguous() and prefetch.device == x2.device
+          and prefetch.nbytes % 16 == 0)
     _rms_norm_kernel[(rows,)](
         x2,
         r2 if has_res else x2,

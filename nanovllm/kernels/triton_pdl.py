@@ -63,9 +63,15 @@ def prefetch_l2(at, nbytes, FIRST_THREAD: tl.constexpr):
             dtype=tl.int32, is_pure=False, pack=1)
 
 
-def prefetch_launch(t: torch.Tensor) -> bool:
-    """Whether a launch over `t` prefetches its weights (PREFETCH_WEIGHTS, under PDL)."""
-    return PREFETCH_WEIGHTS and pdl_launch(t)["PDL"]
+def can_prefetch(t: torch.Tensor, *regions: torch.Tensor) -> bool:
+    """Whether a launch over `t` can ask the L2 for `regions` before its wait (`prefetch_l2`):
+    it runs under PDL (else nothing runs early) and each region starts 16-byte aligned."""
+    return pdl_launch(t)["PDL"] and all(r.data_ptr() % 16 == 0 for r in regions)
+
+
+def prefetch_launch(t: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether a launch over `t` prefetches `weights` (PREFETCH_WEIGHTS, `can_prefetch`)."""
+    return PREFETCH_WEIGHTS and can_prefetch(t, *weights)
 
 
 def pdl_launch(t: torch.Tensor) -> dict:

@@ -97,15 +97,16 @@ def record(kv_cache_dtype: str, scales: str, k_plane: bool = False,
     # fresh modules, each after those it imports from (the attention module re-exports the
     # store's store_kv and calls the decode's and prefill's launchers), their kernels
     # swapped for recorders
-    ts, td, tp, fd, tb = (importlib.reload(importlib.import_module(f"nanovllm.kernels.{m}"))
-                          for m in ("triton_kv_store", "triton_decode", "triton_prefill",
-                                    "triton_fp8_decode", "triton_attention"))
+    ts, tr, td, tp, fd, tb = (importlib.reload(importlib.import_module(f"nanovllm.kernels.{m}"))
+                              for m in ("triton_kv_store", "triton_rank", "triton_decode",
+                                        "triton_prefill", "triton_fp8_decode",
+                                        "triton_attention"))
     ts.RUN_STORES = run_stores
     fmt = KVFormat.of(kv_cache_dtype, scales, torch.bfloat16, D)
     calls = []
     for module, name in ((ts, "_store_kv_kernel"), (ts, "_rope_store_kernel"),
                          (td, "_decode_kernel"),
-                         (td, "_reduce_kernel"), (tp, "_prefill_kernel"), (td, "_rank_kernel"),
+                         (td, "_reduce_kernel"), (tp, "_prefill_kernel"), (tr, "_rank_kernel"),
                          (fd, "_decode_fp8_kernel")):
         setattr(module, name, Recorder(getattr(module, name), calls))
     # a mixed step: two decode rows with long contexts (KV splits) and a prefill chunk
@@ -208,7 +209,7 @@ def record_norms(prefetch: bool) -> list:
     calls = []
     ops._rms_norm_kernel = Recorder(ops._rms_norm_kernel, calls)
     if prefetch:
-        ops.prefetch_launch = lambda t: True
+        ops.prefetch_launch = lambda t, *weights: True
     x, r = (torch.zeros(256, 1024, dtype=torch.bfloat16) for _ in range(2))
     w = torch.ones(1024, dtype=torch.bfloat16)
     qkv = torch.zeros(4096, 1024, dtype=torch.bfloat16) if prefetch else None

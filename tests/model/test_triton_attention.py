@@ -23,6 +23,7 @@ from tests.support import triton_module
 
 tb = triton_module("nanovllm.kernels.triton_attention")
 td = triton_module("nanovllm.kernels.triton_decode")
+tr = triton_module("nanovllm.kernels.triton_rank")
 
 # relative L2 error per token: fp32 differs from fp64 by summation order only; half dtypes
 # by the rounding of q, k, v and of the probabilities before the second dot
@@ -213,7 +214,7 @@ def test_longest_first_ranks_rows_as_a_stable_sort(triton_device):
     for lens in ([7], [3, 9, 9, 0, 1, 9, 0], torch.randint(0, 40, (300,), generator=gen).tolist()):
         ctx = torch.tensor(lens, dtype=torch.int32, device=triton_device)
         meta = SimpleNamespace(context_lens=ctx, derived={})
-        got = td._longest_first(meta)
+        got = tr._longest_first(meta)
         want = torch.sort(ctx.cpu(), descending=True, stable=True).indices
         assert got.dtype == torch.int32 and torch.equal(got.cpu().long(), want), lens
 
