@@ -13,11 +13,6 @@ The settings come from the environment, so compare them one process each, e.g.:
     CUBLAS_WORKSPACE_CONFIG=:32768:2 python -m benchmarks.blas
     python -m benchmarks.blas --no-reduced-precision   (bf16 reductions in fp32 only)
 
-`--prefetch`: instead, each projection after the kernel the engine runs before it (the
-residual-add RMSNorm before qkv and gate_up, told their weight; a norm before the split-K
-o_proj, which asks for its own rows), with triton_pdl.PREFETCH_WEIGHTS off and on: what the
-weights' prefetch before the PDL wait saves a pair.
-
 `--triton`: also triton_linear's GEMM kernel unsplit (one program per output tile, the whole
 contraction each) over a sweep of tiles, at qkv's and gate_up's shapes, each row count's
 best against cuBLAS: is a tile cuBLAS misses worth a kernel of ours?
@@ -40,12 +35,7 @@ def main() -> None:
     ap.add_argument("--no-reduced-precision", action="store_true",
                     help="allow_bf16_reduced_precision_reduction off")
     ap.add_argument("--triton", action="store_true", help="and a sweep of Triton tiles")
-    ap.add_argument("--prefetch", action="store_true",
-                    help="norm + projection pairs, PREFETCH_WEIGHTS off and on")
     args = ap.parse_args()
-    if args.prefetch:
-        prefetch_pairs(args.rows)
-        return
     if args.no_reduced_precision:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.manual_seed(0)
@@ -67,42 +57,6 @@ def main() -> None:
         print(f"{rows:>5}" + "".join(f"{c:>18}" for c in cells) + f"{total:10.2f}", flush=True)
     if args.triton:
         triton_sweep(weights, args.rows, args.bandwidth)
-
-
-def prefetch_pairs(row_counts) -> None:
-    from nanovllm.kernels import triton_ops, triton_pdl
-    from nanovllm.kernels.triton_linear import split_k_linear
-
-    torch.manual_seed(0)
-    dev = torch.device("cuda")
-    weights = {name: [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-                      for _ in range(LAYERS)] for name, k, n in SHAPES[:3]}
-    norm_w = torch.ones(1024, device=dev, dtype=torch.bfloat16)
-    print(f"{'rows':>5}" + "".join(f"{name + ' off / on':>22}" for name, _, _ in SHAPES[:3])
-          + "   (us a norm + projection pair, PREFETCH_WEIGHTS off / on)")
-    for rows in row_counts:
-        h = torch.randn(rows, 1024, device=dev, dtype=torch.bfloat16)
-        res = torch.zeros(rows, 1024, device=dev, dtype=torch.bfloat16)
-        attn = torch.randn(rows, 2048, device=dev, dtype=torch.bfloat16)
-
-        def pairs(name, ws, h=h, res=res, attn=attn):
-            for w in ws:
-                out, _ = triton_ops.add_rms_norm(h, res, norm_w, 1e-6,
-                                                 prefetch=None if name == "o" else w)
-                if name == "o":
-                    split_k_linear(attn, w)
-                else:
-                    torch.nn.functional.linear(out, w)
-
-        cells = []
-        for name, _, _ in SHAPES[:3]:
-            times = []
-            for on in (False, True):
-                triton_pdl.PREFETCH_WEIGHTS = on
-                times.append(graph_time(lambda n=name: pairs(n, weights[n])) / LAYERS)
-            triton_pdl.PREFETCH_WEIGHTS = False
-            cells.append(f"{times[0]:8.2f} / {times[1]:5.2f} ({times[0] / times[1]:.2f}x)")
-        print(f"{rows:>5}" + "".join(f"{c:>22}" for c in cells), flush=True)
 
 
 def triton_sweep(weights: dict, row_counts, bandwidth: float) -> None:

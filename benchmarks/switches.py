@@ -52,15 +52,6 @@ SWITCHES = {
         "greedy / temperature rows sampled by triton_sampling's Gumbel race (a uniform and two "
         "logarithms a token), not by the inverse CDF (triton_cdf_sampling.INVERSE_CDF off; "
         "before 2026-12-02)"),
-    "--prefetch-weights": (
-        "nanovllm.kernels.triton_pdl", "PREFETCH_WEIGHTS", True,
-        "the RMSNorms before qkv and gate_up, and the split-K projections, ask the L2 for the "
-        "projection's weights before their PDL wait (triton_pdl.PREFETCH_WEIGHTS on; prepared "
-        "2026-12-03, not measured)"),
-    "--prefetch-first-tile": (
-        "nanovllm.kernels.triton_decode", "PREFETCH_FIRST_TILE", True,
-        "each fp8 decode program asks the L2 for its first tile's K and V before its PDL wait "
-        "(triton_decode.PREFETCH_FIRST_TILE on; prepared 2026-12-03, not measured)"),
     "--gc-freeze": (
         "nanovllm.worker.model_runner", "FREEZE_GC_AFTER_SETUP", True,
         "collect and freeze Python's garbage collector after start-up "

@@ -53,12 +53,10 @@
 #                                     # (SKIP_TABLE=1 skips it), then the seed workload, fp8,
 #                                     # against --read-whole-tiles (and with ARGSORT=1
 #                                     # --argsort-order), alternating, ROUNDS (1)
-#   bash scripts/gpu_plan.sh prefetch # a projection's weights, and the fp8 decode's first
-#                                     # tiles, asked of the L2 before the PDL wait of the
-#                                     # kernel before (triton_pdl.PREFETCH_WEIGHTS,
-#                                     # triton_decode.PREFETCH_FIRST_TILE; off): their GPU
-#                                     # tests, kernel pairs, a decode step's kernels, the
-#                                     # seed workload alternating
+#   bash scripts/gpu_plan.sh rounds   # the defaults' figures: the seed workload, fp8 and bf16
+#                                     # (bench.py as written) alternating, ROUNDS (5), after an
+#                                     # fp8 warm-up run; TESTS="pytest paths" runs those GPU
+#                                     # tests first
 #   bash scripts/gpu_plan.sh fp8splits # the fp8 decode's KV splits at small batches
 #                                     # (attention.py --fp8-splits), then the seed workload,
 #                                     # fp8, defaults against --decode-programs-per-sm PER_SM
@@ -480,36 +478,17 @@ case "$stage" in
         done
       done
     fi ;;
-  prefetch)  # triton_pdl.PREFETCH_WEIGHTS and triton_decode.PREFETCH_FIRST_TILE (both off,
-    # prepared): their GPU tests (SKIP_TESTS=1 skips them), norm + projection pairs both ways
-    # (benchmarks/blas.py --prefetch), a decode step's kernels with neither and both
-    # (SKIP_PROFILE=1 skips it: qkv, gate_up, the split-K launches and the decode are the
-    # ones they should shorten), then the seed workload, DTYPES (fp8), the defaults against
-    # each and both, alternating, ROUNDS (2), after a warm-up run
-    if [ -z "${SKIP_TESTS:-}" ]; then
-      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_prefetch.py \
-        tests/model/test_triton_linear.py tests/model/test_fused_ops.py 2>&1 | tail -2 \
-        | tee "$OUT/prefetch_tests.log"
+  rounds)  # the engine's defaults on this machine, fp8 and bf16 alternating (BENCHMARKS.md's
+    # rounds tables), after any GPU tests named in TESTS
+    if [ -n "${TESTS:-}" ]; then
+      # shellcheck disable=SC2086
+      timeout "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider $TESTS 2>&1 \
+        | tail -3 | tee "$OUT/rounds_tests.log"
     fi
-    timeout 60 python3 -m benchmarks.blas --prefetch 2>&1 | tee "$OUT/prefetch_pairs.log" \
-      | tail -6
-    if [ -z "${SKIP_PROFILE:-}" ]; then
-      for flags in "" "--prefetch-weights --prefetch-first-tile"; do
-        # shellcheck disable=SC2086
-        timeout 120 python3 -m benchmarks.profile_step --kv-cache-dtype fp8 $flags 2>&1 \
-          | sed "s/^/${flags:-defaults}: /" | tee -a "$OUT/prefetch_profile.log" | tail -24
-      done
-    fi
-    for dtype in ${DTYPES:-fp8}; do
-      offline prefetch.log "warm-up $dtype, not counted" "$dtype"
-      for round in $(seq "${ROUNDS:-2}"); do
-        offline prefetch.log "round $round $dtype defaults" "$dtype"
-        offline prefetch.log "round $round $dtype --prefetch-weights" "$dtype" --prefetch-weights
-        offline prefetch.log "round $round $dtype --prefetch-first-tile" "$dtype" \
-          --prefetch-first-tile
-        offline prefetch.log "round $round $dtype both" "$dtype" --prefetch-weights \
-          --prefetch-first-tile
-      done
+    offline rounds.log "warm-up fp8, not counted" fp8
+    for round in $(seq "${ROUNDS:-5}"); do
+      offline rounds.log "round $round fp8" fp8
+      offline rounds.log "round $round bf16" auto
     done ;;
   syncs)
     for dtype in auto fp8; do
@@ -523,6 +502,6 @@ case "$stage" in
     timeout 520 python3 -m benchmarks.kv_tiers --shape 8b --only priority --repeat 2 \
       --out "$OUT/swap.json" 2>&1 | grep -v " INFO " | tee "$OUT/swap.log" | tail -16 ;;
   *)
-    echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, tiles, syncs or swap" >&2
+    echo "unknown stage $stage: tests, kernels, profile, tp, serve, dp, store, mixedlat, fp8attn, fp8prefill, buffers, tiles, rounds, syncs or swap" >&2
     exit 2 ;;
 esac

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
 from nanovllm.kernels.triton_kv_store import _fp8_flags
-from nanovllm.kernels.triton_pdl import can_prefetch, pdl_enter, pdl_launch, prefetch_l2
+from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 from nanovllm.kernels.triton_tiles import (
     NEG_BIG,
     TileConfig,
@@ -50,14 +50,6 @@ MAX_SPLITS = 64
 # last one past the end. (Prefill tiles read whole: masked, Triton loaded their V scales a
 # byte at a time, and prefill is bound by its dots, not its reads.)
 SKIP_PAST_END = True
-# Prepared, off (not measured yet): under PDL, each decode program of an fp8 cache (K
-# head-major with its scale plane, V transposed, tiles of a whole block) first asks the L2
-# for its first tile's K and V, a block-head each (~17 KB), then waits for the kernel before
-# (the RoPE + store, latency-bound: the HBM idles under it). Its row comes from the
-# longest-first order, which in the first layer the ranking may still be writing: a stale
-# order only prefetches another row's tile (clamped to the rows), never a wrong result.
-# `benchmarks/offline.py --prefetch-first-tile`
-PREFETCH_FIRST_TILE = False
 FP8_DECODE_REGISTERS = 128  # an fp8 cache's decode: 4 programs of 4 warps an SM
 
 
@@ -129,12 +121,7 @@ def _decode_kernel(
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
     LONGEST_FIRST: tl.constexpr = False, V_T: tl.constexpr = False,
     SKIP_PAST: tl.constexpr = False, K_PLANE: tl.constexpr = False, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
-    if PREFETCH:  # (PREFETCH_FIRST_TILE) before the wait: reads nothing the kernel before writes
-        _prefetch_first_tile(order_ptr, qsl_ptr, ctx_ptr, bt_ptr, k_cache_ptr, v_cache_ptr,
-                             num_splits, stride_bt, stride_kb, stride_vb,
-                             NUM_Q_HEADS // GROUP, BLOCK_SIZE, BLOCK_N, LONGEST_FIRST)
     pdl_enter(PDL)
     # num_splits is a runtime int (one compiled kernel serves every split count);
     # WRITE_OUT (num_splits == 1) writes the normalized output directly, skipping the reduce
@@ -189,25 +176,6 @@ def _decode_program(order_ptr, KV_HEADS: tl.constexpr, LONGEST_FIRST: tl.constex
     else:
         row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     return row, kv_head, split
-
-
-@triton.jit
-def _prefetch_first_tile(order_ptr, qsl_ptr, ctx_ptr, bt_ptr, k_cache_ptr, v_cache_ptr,
-                         num_splits, stride_bt, stride_kb, stride_vb, KV_HEADS: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         LONGEST_FIRST: tl.constexpr):
-    # the K and V block-heads of this program's first tile asked of the L2 (a tile is a whole
-    # block, each block-head's bytes contiguous: stride_kb / KV_HEADS of them, likewise V's)
-    row, kv_head, split = _decode_program(order_ptr, KV_HEADS, LONGEST_FIRST)
-    if LONGEST_FIRST:  # the order may be the ranking's unfinished work: any row will do
-        row = tl.minimum(tl.maximum(row, 0), tl.num_programs(1) - 1)
-    _, _, _, tile_lo, tile_hi = _decode_span(qsl_ptr, ctx_ptr, row, split, num_splits, BLOCK_N)
-    if tile_lo < tile_hi:
-        blk = tl.load(bt_ptr + row.to(tl.int64) * stride_bt + tile_lo * BLOCK_N // BLOCK_SIZE)
-        k_head = stride_kb // KV_HEADS
-        v_head = stride_vb // KV_HEADS
-        prefetch_l2(k_cache_ptr + blk.to(tl.int64) * stride_kb + kv_head * k_head, k_head, True)
-        prefetch_l2(v_cache_ptr + blk.to(tl.int64) * stride_vb + kv_head * v_head, v_head, True)
 
 
 @triton.jit
@@ -303,20 +271,10 @@ def launch_decode(q, k_cache, v_cache, out, scale_log2: float, meta: AttentionMe
         BLOCK_N=_block_n(cfg, k_cache, flags), WRITE_OUT=num_splits == 1,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, LONGEST_FIRST=order is not None, SKIP_PAST=SKIP_PAST_END,
-        PREFETCH=_prefetches(q, k_cache, v_cache, flags, cfg), **flags, **pdl_launch(q),
+        **flags, **pdl_launch(q),
         **_register_cap(cfg, q),
     )
     reduce_splits(part_o, part_lse, out, qsl, num_rows, num_splits)
-
-
-def _prefetches(q, k_cache, v_cache, flags: dict, cfg: TileConfig) -> bool:
-    """Whether the decode launch asks the L2 for its first tiles (PREFETCH_FIRST_TILE): an fp8
-    cache in the GPU's layout, tiles of a whole block, under PDL, the block-heads' bytes
-    a multiple of 16 from 16-byte aligned caches."""
-    return bool(PREFETCH_FIRST_TILE and flags.get("K_PLANE") and flags.get("V_T")
-                and _block_n(cfg, k_cache, flags) == k_cache.shape[1]
-                and can_prefetch(q, k_cache, v_cache)
-                and all(c.stride(0) % (16 * c.shape[2]) == 0 for c in (k_cache, v_cache)))
 
 
 def split_partials(out: torch.Tensor, num_rows: int, num_splits: int):

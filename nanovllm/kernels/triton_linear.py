@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch, prefetch_l2, prefetch_launch
+from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
 # rows -> (block_m, block_n, block_k, stages), from sweeps on the H200 at Qwen3-0.6B's two
 # shapes, each tile timed with the norm that sums its partials (BENCHMARKS.md: 1.05-1.53x
@@ -50,16 +50,7 @@ class SplitK:
 @triton.jit
 def _split_k_kernel(x_ptr, w_ptr, parts_ptr, M, N, K, k_len, stride_x, stride_w,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr, PDL: tl.constexpr = False,
-                    PREFETCH: tl.constexpr = False):
-    if PREFETCH:  # the weight rows of this program's n tile, its split of each, asked of the
-        # L2 before the wait by the first m tile's program (triton_pdl.PREFETCH_WEIGHTS): the
-        # weights do not depend on the kernel before
-        if tl.program_id(0) == 0:
-            rows_at = (w_ptr + (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-                       * stride_w + tl.program_id(2) * k_len)
-            prefetch_l2(rows_at, k_len * (w_ptr.dtype.element_ty.primitive_bitwidth // 8),
-                        False)
+                    PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     # program (m tile, n tile, split): x[m tile, split's k] @ w[n tile, split's k]^T -> parts
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -112,5 +103,5 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
         x, weight, parts, m, n, k, k // splits, x.stride(0), weight.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=stages, PREFETCH=prefetch_launch(x, weight), **pdl_launch(x))
+        num_warps=4, num_stages=stages, **pdl_launch(x))
     return SplitK(parts, x.dtype)

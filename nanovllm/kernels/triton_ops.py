@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.triton_linear import SplitK
-from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch, prefetch_l2, prefetch_launch
+from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
 
 def _pow2(n: int) -> int:
@@ -48,21 +48,11 @@ def _rms_norm_kernel(
     N,
     eps,
     stride_part,
-    pf_ptr,
-    pf_bytes,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     PARTS: tl.constexpr = 0,
     PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
-    if PREFETCH:  # this program's share of the next projection's weights (PREFETCH_WEIGHTS),
-        # asked of the L2 before the wait: bytes [pf_ptr, pf_ptr + pf_bytes)
-        share = tl.cdiv(tl.cdiv(pf_bytes, tl.num_programs(0)), 16) * 16
-        start = tl.program_id(0).to(tl.int64) * share
-        end = tl.minimum(start + share, pf_bytes)
-        for at in range(start, end, 65536):  # (64 KiB a request)
-            prefetch_l2(pf_ptr + at, tl.minimum(65536, end - at), True)
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -92,18 +82,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch_norm(x2, r2, ro2, weight, out2, eps, parts: torch.Tensor | None = None,
-                 prefetch: torch.Tensor | None = None) -> None:
-    # parts: [S, rows, n] fp32 partial sums whose total is x (x2 is then parts[0]);
-    # prefetch: see rms_norm
+def _launch_norm(x2, r2, ro2, weight, out2, eps, parts: torch.Tensor | None = None) -> None:
+    # parts: [S, rows, n] fp32 partial sums whose total is x (x2 is then parts[0])
     rows, n = x2.shape
     if rows == 0:
         return
     block = _pow2(n)
     has_res = r2 is not None
-    pf = (prefetch is not None and prefetch_launch(x2, prefetch) and prefetch.numel() > 0
-          and prefetch.is_contiguous() and prefetch.device == x2.device
-          and prefetch.nbytes % 16 == 0)
     _rms_norm_kernel[(rows,)](
         x2,
         r2 if has_res else x2,
@@ -117,34 +102,25 @@ def _launch_norm(x2, r2, ro2, weight, out2, eps, parts: torch.Tensor | None = No
         n,
         eps,
         parts.stride(0) if parts is not None else 0,
-        prefetch.view(-1).view(torch.uint8) if pf else x2,
-        prefetch.nbytes if pf else 0,
         HAS_RESIDUAL=has_res,
         BLOCK=block,
         PARTS=parts.shape[0] if parts is not None else 0,
         num_warps=_warps(block),
-        PREFETCH=pf,
         **pdl_launch(x2),
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm over the last dim into a new tensor; same result as `torch_ops.rms_norm`.
-
-    `prefetch`: what the next kernel reads (a projection's weight, contiguous): with
-    triton_pdl.PREFETCH_WEIGHTS the kernel's programs ask the L2 for it before they wait for
-    the kernel before them. A hint only: the results are the same without it."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim into a new tensor; same result as `torch_ops.rms_norm`."""
     n = x.shape[-1]
     assert weight.shape == (n,) and weight.is_contiguous()
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    _launch_norm(_rows(x), None, None, weight, out.view(-1, n), eps, None, prefetch)
+    _launch_norm(_rows(x), None, None, weight, out.view(-1, n), eps)
     return out
 
 
 def add_rms_norm(
-    x: torch.Tensor | SplitK, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    prefetch: torch.Tensor | None = None,
+    x: torch.Tensor | SplitK, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual); same result as `torch_ops.add_rms_norm`.
 
@@ -156,7 +132,7 @@ def add_rms_norm(
 
     `x` may be a split-K projection's partial products (triton_linear.SplitK): they are
     summed and rounded to their dtype, which must be the residual's, as the projection's
-    plain matmul would have rounded its output. `prefetch`: as in `rms_norm`.
+    plain matmul would have rounded its output.
     """
     parts = None
     if isinstance(x, SplitK):
@@ -175,7 +151,7 @@ def add_rms_norm(
     out = torch.empty(x.shape, dtype=torch.promote_types(res_dtype, weight.dtype),
                       device=residual.device)
     _launch_norm(x2, _rows(residual), new_residual.view(-1, n), weight, out.view(-1, n), eps,
-                 parts, prefetch)
+                 parts)
     return out, new_residual
 
 

@@ -23,16 +23,6 @@ import triton
 import triton.language as tl
 
 PDL = True
-# Prepared, off (not measured yet): a kernel that a projection follows (the RMSNorms before
-# qkv and gate_up, whose projections are cuBLAS's) or a projection of ours (the split-K
-# o_proj and down_proj) first asks the L2 for that projection's weights, then waits for the
-# kernel before it. The weights are constant, so their stream from HBM can begin while the
-# kernel before still runs, instead of at the projection's own start: on the H200 a decode
-# step's qkv and gate_up read theirs at 0.3-0.5 of HBM bandwidth, 5.5-8 us a launch for 8-13
-# MB, and the kernels before them are latency-bound, leaving the bandwidth idle
-# (benchmarks/blas.py; BENCHMARKS.md, nineteenth session). PDL only: without it nothing runs
-# early. `benchmarks/offline.py --prefetch-weights` measures it
-PREFETCH_WEIGHTS = False
 
 
 @triton.jit
@@ -42,36 +32,6 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(at, nbytes, FIRST_THREAD: tl.constexpr):
-    # ask the L2 for nbytes (a multiple of 16) from each address of `at` (16-byte aligned):
-    # sm_90's bulk prefetch, which nothing waits for. FIRST_THREAD: only the program's first
-    # thread issues it (`at` a scalar, which every thread holds); else every thread holding an
-    # element of `at` (a few elements may be held twice: the L2 has them by then)
-    if FIRST_THREAD:
-        tl.inline_asm_elementwise(
-            asm="{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            constraints="=r,l,r", args=[at.to(tl.int64), nbytes.to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(
-            asm="{ cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            constraints="=r,l,r", args=[at.to(tl.int64), nbytes.to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
-
-
-def can_prefetch(t: torch.Tensor, *regions: torch.Tensor) -> bool:
-    """Whether a launch over `t` can ask the L2 for `regions` before its wait (`prefetch_l2`):
-    it runs under PDL (else nothing runs early) and each region starts 16-byte aligned."""
-    return pdl_launch(t)["PDL"] and all(r.data_ptr() % 16 == 0 for r in regions)
-
-
-def prefetch_launch(t: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether a launch over `t` prefetches `weights` (PREFETCH_WEIGHTS, `can_prefetch`)."""
-    return PREFETCH_WEIGHTS and can_prefetch(t, *weights)
 
 
 def pdl_launch(t: torch.Tensor) -> dict:

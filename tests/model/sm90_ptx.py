@@ -11,10 +11,7 @@ folded and those divisible by 16 marked so (unless the kernel says do_not_specia
 Prints one JSON object per compiled launch: kernel, case, the PTX's loads by kind and width,
 its count of shared-memory stores, the shared memory it needs and, from the cubin (through
 the cuobjdump Triton ships), its registers a thread and bytes spilled to local memory.
-`--fresh` adds the prefill kernel with paged_attention's `fresh` over each cache;
-`--prefetch` the RMSNorm and split-K kernels asking the L2 for weights
-(triton_pdl.PREFETCH_WEIGHTS), and the fp8 decode for its first tile
-(triton_decode.PREFETCH_FIRST_TILE).
+`--fresh` adds the prefill kernel with paged_attention's `fresh` over each cache.
 `--decode-tiles` instead compiles the decode kernels at the tiles benchmarks/attention.py
 --decode-buffers times, and says how many buffers each tile's K/V loads got. `--dump DIR`
 also writes each compiled launch's PTX, TTGIR (its loads' thread layouts) and cubin (SASS
@@ -198,25 +195,20 @@ def record_split_k() -> list:
     return calls
 
 
-def record_norms(prefetch: bool) -> list:
+def record_norms() -> list:
     """The RMSNorm kernel's launches (kernels/triton_ops.py) as a decode step of 256 rows
-    makes them: alone, after a residual add, after a split-K projection's partials; with
-    `prefetch`, each told a projection's weight to ask the L2 for (triton_pdl.
-    PREFETCH_WEIGHTS), as it is under PDL on a GPU."""
+    makes them: alone, after a residual add, after a split-K projection's partials."""
     import importlib
 
     ops = importlib.reload(importlib.import_module("nanovllm.kernels.triton_ops"))
     calls = []
     ops._rms_norm_kernel = Recorder(ops._rms_norm_kernel, calls)
-    if prefetch:
-        ops.prefetch_launch = lambda t, *weights: True
     x, r = (torch.zeros(256, 1024, dtype=torch.bfloat16) for _ in range(2))
     w = torch.ones(1024, dtype=torch.bfloat16)
-    qkv = torch.zeros(4096, 1024, dtype=torch.bfloat16) if prefetch else None
-    ops.rms_norm(x, w, 1e-6, prefetch=qkv)
-    ops.add_rms_norm(x, r, w, 1e-6, prefetch=qkv)
+    ops.rms_norm(x, w, 1e-6)
+    ops.add_rms_norm(x, r, w, 1e-6)
     parts = ops.SplitK(torch.zeros(4, 256, 1024), torch.bfloat16)
-    ops.add_rms_norm(parts, r, w, 1e-6, prefetch=qkv)
+    ops.add_rms_norm(parts, r, w, 1e-6)
     return calls
 
 
@@ -316,16 +308,7 @@ def main() -> None:
                          if call[2].get("FRESH")]
     launches += [("sampler", call) for call in record_sampler()]
     launches += [("split-k", call) for call in record_split_k()]
-    launches += [("norm", call) for call in record_norms(prefetch=False)]
-    if "--prefetch" in sys.argv[1:]:  # and the weights' prefetch (triton_pdl.PREFETCH_WEIGHTS)
-        launches += [("norm-prefetch", call) for call in record_norms(prefetch=True)]
-        launches += [("split-k-prefetch", (fn, args, dict(kwargs, PREFETCH=True)))
-                     for fn, args, kwargs in record_split_k()]
-        # and the decode asking for its first tile (triton_decode.PREFETCH_FIRST_TILE), over
-        # the GPU's fp8 layout, the only one it takes
-        launches += [("fp8-k-plane-prefetch", (fn, args, dict(kwargs, PREFETCH=True)))
-                     for fn, args, kwargs in record("fp8", "token", k_plane=True)
-                     if fn.__name__ == "_decode_kernel"]
+    launches += [("norm", call) for call in record_norms()]
     if "--pdl" in sys.argv[1:]:  # each kernel as programmatic dependent launch has it
         for _, (fn, _, kwargs) in launches:
             if "PDL" in fn.arg_names:
@@ -363,10 +346,6 @@ def main() -> None:
             # Hopper's warpgroup MMA against Ampere's warp MMA: which tensor-core path a dot took
             out["ops"]["wgmma"] = len(re.findall(r"wgmma\.mma_async", ptx))
             out["ops"]["mma.sync"] = len(re.findall(r"\bmma\.sync", ptx))
-            # the weights asked of the L2 (PREFETCH_WEIGHTS), and whether before the PDL wait
-            prefetch = ptx.find("cp.async.bulk.prefetch.L2")
-            out["ops"]["prefetch.L2"] = ptx.count("cp.async.bulk.prefetch.L2")
-            out["prefetch_before_wait"] = 0 <= prefetch < ptx.find("griddepcontrol.wait")
             # what a launch needs of an SM: shared memory (H100/H200: 227 KiB a block at
             # most) and, from ptxas, registers a thread and bytes spilled to local memory
             out["shared"] = compiled.metadata.shared

@@ -130,29 +130,6 @@ def test_kernels_compile_as_programmatic_dependent_launches():
     assert all(n >= 1 for n in waits.values()), waits
 
 
-def test_prefetches_compile_before_the_pdl_wait():
-    """triton_pdl.PREFETCH_WEIGHTS (the RMSNorm told the next projection's weight, and the
-    split-K projection) and triton_decode.PREFETCH_FIRST_TILE (the fp8 decode): each kernel
-    compiles for sm_90 with a bulk L2 prefetch ahead of its griddepcontrol.wait (else it
-    would wait for the kernel before, and prefetch nothing early); without the switches,
-    none has one."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "tests.model.sm90_ptx", "--prefetch", "--pdl"],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    if results and "unsupported" in results[-1]:
-        pytest.skip(results[-1]["unsupported"])
-    assert not [r for r in results if "error" in r], [r for r in results if "error" in r]
-    told = [r for r in results
-            if r["case"] in ("norm-prefetch", "split-k-prefetch", "fp8-k-plane-prefetch")]
-    assert {r["kernel"] for r in told} == {"_rms_norm_kernel", "_split_k_kernel",
-                                           "_decode_kernel"}
-    assert all(r["ops"]["prefetch.L2"] >= 1 and r["prefetch_before_wait"] for r in told), told
-    plain = [r for r in results if r["case"] in ("norm", "split-k", "fp8-k-plane")]
-    assert plain and all(r["ops"]["prefetch.L2"] == 0 for r in plain), plain
-
-
 def test_pdl_is_never_taken_off_a_gpu(monkeypatch):
     import torch
 

@@ -14,14 +14,9 @@ class RMSNorm(nn.Module):
         self.kernels = kernels
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None,
-        prefetch: torch.Tensor | None = None,
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`prefetch`: what the next kernel reads (a projection's weight), a hint the Triton
-        norm may take (triton_ops.rms_norm); the other kernels are not given it."""
-        hint = {"prefetch": prefetch} if prefetch is not None and self.kernels.ops == "triton" \
-            else {}
         if residual is None:
-            return self.kernels.rms_norm(x, self.weight, self.eps, **hint)
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         # note: the Triton kernel updates `residual` in place (see triton_ops.add_rms_norm)
-        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps, **hint)
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)

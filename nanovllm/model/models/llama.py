@@ -83,15 +83,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def forward(self, x, residual, positions, meta):
-        # each norm is told the weights the projection after it reads (a prefetch hint)
-        qkv = self.self_attn.qkv_proj.weight
         if residual is None:
-            residual, x = x, self.input_layernorm(x, prefetch=qkv)
+            residual, x = x, self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual, prefetch=qkv)
+            x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, meta)
-        x, residual = self.post_attention_layernorm(x, residual,
-                                                    prefetch=self.mlp.gate_up_proj.weight)
+        x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
