@@ -52,10 +52,6 @@ SWITCHES = {
         "greedy / temperature rows sampled by triton_sampling's Gumbel race (a uniform and two "
         "logarithms a token), not by the inverse CDF (triton_cdf_sampling.INVERSE_CDF off; "
         "before 2026-12-02)"),
-    "--early-trigger": (
-        "nanovllm.kernels.triton_pdl", "EARLY_TRIGGER", True,
-        "each Triton kernel lets the next launch before its PDL wait, not after it "
-        "(triton_pdl.EARLY_TRIGGER on; prepared 2026-12-03, not measured)"),
     "--gc-freeze": (
         "nanovllm.worker.model_runner", "FREEZE_GC_AFTER_SETUP", True,
         "collect and freeze Python's garbage collector after start-up "

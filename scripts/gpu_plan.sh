@@ -71,9 +71,8 @@
 #                                     # launches (kernels/triton_pdl.py PDL, on): the GPU
 #                                     # engine and kernel tests (SKIP_TESTS=1 skips them),
 #                                     # then the seed workload, fp8 and bf16 (DTYPES), the
-#                                     # defaults against PDL_FLAGS (--no-pdl; or e.g.
-#                                     # --early-trigger), alternating, ROUNDS (2), after a
-#                                     # warm-up run
+#                                     # defaults against --no-pdl, alternating, ROUNDS (2),
+#                                     # after a warm-up run
 #   bash scripts/gpu_plan.sh fresh    # every process as a new user's first: each with an empty
 #                                     # Triton cache, the seed workload, DTYPE (fp8), the
 #                                     # defaults against --gc-freeze, alternating, ROUNDS (3)
@@ -310,17 +309,15 @@ case "$stage" in
     if [ -z "${SKIP_TESTS:-}" ]; then
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
         tests/engine/test_gpu_engine.py tests/engine/test_fp8_kv.py \
-        tests/engine/test_early_trigger.py tests/model/test_triton_linear.py tests/model/test_rope_store.py \
-        tests/model/test_triton_attention.py -k "greedy or graph or fp8 or split or rope or longest or trigger" \
+        tests/model/test_triton_linear.py tests/model/test_rope_store.py \
+        tests/model/test_triton_attention.py -k "greedy or graph or fp8 or split or rope or longest" \
         2>&1 | tail -3 | tee "$OUT/pdl_tests.log"
     fi
     offline pdl_offline.log "warm-up, not counted" fp8
     for round in $(seq "${ROUNDS:-2}"); do
       for dtype in ${DTYPES:-fp8 auto}; do
         offline pdl_offline.log "round $round $dtype defaults (pdl)" "$dtype"
-        # shellcheck disable=SC2086
-        offline pdl_offline.log "round $round $dtype ${PDL_FLAGS:---no-pdl}" "$dtype" \
-          ${PDL_FLAGS:---no-pdl}
+        offline pdl_offline.log "round $round $dtype no pdl" "$dtype" --no-pdl
       done
     done ;;
   fresh)

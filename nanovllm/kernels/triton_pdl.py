@@ -23,37 +23,23 @@ import triton
 import triton.language as tl
 
 PDL = True
-# Prepared, off (not measured yet): each program lets the next kernel launch before its own
-# wait rather than after it, so a kernel's programs may start (and wait) while the one two
-# back still runs. The wait still covers the kernel before: it returns once that kernel has
-# finished, and that kernel waited for its own predecessor the same way, so no kernel reads
-# before all earlier ones have written. Every program of a kernel still starts before its
-# dependents may launch, so they never take an SM from it. `benchmarks/offline.py
-# --early-trigger`
-EARLY_TRIGGER = False
 
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     # a kernel's first statement: wait for the kernel before it (finished, writes
-    # visible), then allow the one after it to launch; PDL == 2 (EARLY_TRIGGER) allows
-    # it first, then waits
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif PDL:
+    # visible), then allow the one after it to launch
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
 
 def pdl_launch(t: torch.Tensor) -> dict:
     """The launch arguments of a kernel over `t`'s device: `PDL` for the kernel's
-    pdl_enter (2: the early trigger), and Triton's `launch_pdl` where PDL is on and both
-    the device and this Triton have it."""
+    pdl_enter, and Triton's `launch_pdl` where PDL is on and both the device and this
+    Triton have it."""
     on = PDL and t.is_cuda and triton_has_pdl() and _has_pdl(t.device)
-    if not on:
-        return {"PDL": False}
-    return {"PDL": 2 if EARLY_TRIGGER else True, "launch_pdl": True}
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 @functools.lru_cache(maxsize=1)

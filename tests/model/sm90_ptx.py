@@ -11,9 +11,7 @@ folded and those divisible by 16 marked so (unless the kernel says do_not_specia
 Prints one JSON object per compiled launch: kernel, case, the PTX's loads by kind and width,
 its count of shared-memory stores, the shared memory it needs and, from the cubin (through
 the cuobjdump Triton ships), its registers a thread and bytes spilled to local memory.
-`--fresh` adds the prefill kernel with paged_attention's `fresh` over each cache. `--pdl`
-compiles each kernel as a programmatic dependent launch (`--early-trigger` too: as
-triton_pdl.EARLY_TRIGGER launches it).
+`--fresh` adds the prefill kernel with paged_attention's `fresh` over each cache.
 `--decode-tiles` instead compiles the decode kernels at the tiles benchmarks/attention.py
 --decode-buffers times, and says how many buffers each tile's K/V loads got. `--dump DIR`
 also writes each compiled launch's PTX, TTGIR (its loads' thread layouts) and cubin (SASS
@@ -312,11 +310,9 @@ def main() -> None:
     launches += [("split-k", call) for call in record_split_k()]
     launches += [("norm", call) for call in record_norms()]
     if "--pdl" in sys.argv[1:]:  # each kernel as programmatic dependent launch has it
-        # (`--early-trigger`: as triton_pdl.EARLY_TRIGGER has it)
-        pdl = 2 if "--early-trigger" in sys.argv[1:] else True
         for _, (fn, _, kwargs) in launches:
             if "PDL" in fn.arg_names:
-                kwargs.update(PDL=pdl, launch_pdl=True)
+                kwargs.update(PDL=True, launch_pdl=True)
     for i, (case, (fn, args, kwargs)) in enumerate(launches):
         sig, consts, attrs, options = _signature(fn, args, dict(kwargs))
         out = {"kernel": fn.__name__, "case": case, "fp8_p": kwargs.get("FP8_P"),
@@ -345,9 +341,6 @@ def main() -> None:
             out["ops"] = {op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))
                           for op in ("mul.hi.u32", "lg2.approx.f32", "cvt.rn.f16x2.e4m3x2",
                                      "griddepcontrol.wait")}
-            # whether the kernel lets the next one launch before its wait (EARLY_TRIGGER)
-            trigger = ptx.find("griddepcontrol.launch_dependents")
-            out["trigger_before_wait"] = 0 <= trigger < ptx.find("griddepcontrol.wait")
             # fp8 operands on the tensor cores as they are (the experimental decode)
             out["ops"]["wgmma e4m3"] = len(re.findall(r"wgmma\.mma_async[.\w]*e4m3", ptx))
             # Hopper's warpgroup MMA against Ampere's warp MMA: which tensor-core path a dot took
