@@ -13,6 +13,11 @@ The settings come from the environment, so compare them one process each, e.g.:
     CUBLAS_WORKSPACE_CONFIG=:32768:2 python -m benchmarks.blas
     python -m benchmarks.blas --no-reduced-precision   (bf16 reductions in fp32 only)
 
+`--chain`: instead, a layer's RMSNorm -> projection -> SiLU (the engine's Triton norm and SiLU,
+under PDL) for qkv and gate_up, 28 layers in one graph, the projection by cuBLAS against
+triton_linear.small_linear (SMALL_GEMMS) at its default tiles and over a sweep of tiles: does
+a projection that chains under PDL with its neighbours pay, and at which tiles?
+
 `--triton`: also triton_linear's GEMM kernel unsplit (one program per output tile, the whole
 contraction each) over a sweep of tiles, at qkv's and gate_up's shapes, each row count's
 best against cuBLAS: is a tile cuBLAS misses worth a kernel of ours?
@@ -35,7 +40,12 @@ def main() -> None:
     ap.add_argument("--no-reduced-precision", action="store_true",
                     help="allow_bf16_reduced_precision_reduction off")
     ap.add_argument("--triton", action="store_true", help="and a sweep of Triton tiles")
+    ap.add_argument("--chain", action="store_true",
+                    help="norm -> qkv / gate_up -> SiLU chains, cuBLAS against small_linear")
     args = ap.parse_args()
+    if args.chain:
+        chains(args.rows)
+        return
     if args.no_reduced_precision:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.manual_seed(0)
@@ -84,6 +94,56 @@ def triton_sweep(weights: dict, row_counts, bandwidth: float) -> None:
             best = ", ".join(f"{us:.2f} {tile}" for us, tile in results[:3])
             print(f"{name:>8} {rows:>4} rows: cuBLAS {cublas:.2f} us ({floor / cublas:.2f}); "
                   f"Triton best {best} ({cublas / results[0][0]:.2f}x)", flush=True)
+
+
+def chains(row_counts) -> None:
+    import itertools
+
+    import torch.nn.functional as F
+
+    from nanovllm.kernels import triton_linear, triton_ops
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    weights = {name: [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+                      for _ in range(LAYERS)] for name, k, n in SHAPES[::2]}
+    norm_w = torch.ones(1024, device=dev, dtype=torch.bfloat16)
+    defaults = triton_linear.SMALL_TILES
+    triton_linear.SMALL_GEMMS = True
+    print("us a layer: RMSNorm (residual add) -> projection -> SiLU, the projection by cuBLAS "
+          "and by small_linear")
+    for rows in row_counts:
+        h = torch.randn(rows, 1024, device=dev, dtype=torch.bfloat16)
+        res = torch.zeros(rows, 1024, device=dev, dtype=torch.bfloat16)
+        for name, _, _ in SHAPES[::2]:
+            def run(proj, ws=weights[name], h=h, res=res):
+                for w in ws:
+                    x, _ = triton_ops.add_rms_norm(h, res, norm_w, 1e-6)
+                    y = proj(x, w)
+                    assert y is not None, "small_linear declined the shape"
+                    triton_ops.silu_and_mul(y)
+
+            cublas = graph_time(lambda: run(F.linear)) / LAYERS
+            triton_linear.SMALL_TILES = defaults
+            default_tile = next((t for r, t in defaults if rows <= r), None)
+            mine = graph_time(lambda: run(triton_linear.small_linear)) / LAYERS \
+                if default_tile else float("nan")
+            bm = min(64, max(16, 1 << (rows - 1).bit_length()))
+            swept = []
+            for bn, bk, stages in itertools.product((16, 32, 64), (64, 128, 256), (3, 4)):
+                triton_linear.SMALL_TILES = ((rows, (bm, bn, bk, stages)),)
+                try:
+                    us = graph_time(lambda: run(triton_linear.small_linear)) / LAYERS
+                except Exception as e:  # out of shared memory, say
+                    print(f"  {name} {rows} {(bm, bn, bk, stages)}: {type(e).__name__}")
+                    continue
+                swept.append((us, (bm, bn, bk, stages)))
+            swept.sort()
+            best = ", ".join(f"{us:.2f} {tile}" for us, tile in swept[:3])
+            print(f"{name:>8} {rows:>4} rows: cuBLAS {cublas:.2f}, small_linear {mine:.2f} "
+                  f"{default_tile} ({cublas / mine:.2f}x); best {best} "
+                  f"({cublas / swept[0][0]:.2f}x)", flush=True)
+    triton_linear.SMALL_TILES = defaults
 
 
 def linear_time(x: torch.Tensor, ws: list) -> float:

@@ -53,6 +53,9 @@ class Kernels:
     split_k_linear: Callable | None = None
     # Attention passes each step's K/V to paged_attention as `fresh` (FRESH_PREFILL)
     fresh_prefill: bool = False
+    # qkv_proj and gate_up_proj at few rows by a Triton launch (triton_linear.small_linear,
+    # bound with split_k; it returns None, the plain matmul, while SMALL_GEMMS is off)
+    small_linear: Callable | None = None
 
 
 @functools.cache  # equal choices share callables (and compiled graphs)
@@ -62,7 +65,8 @@ def select_kernels(ops: str = "torch", attention: str = "torch",
     """The kernels for `ops` (one of OPS) and `attention` (one of ATTENTION); with
     `fp8_attention` ("q" | "qp") the attention over an fp8 cache runs on the fp8 tensor
     cores (kernels/triton_fp8_decode.py; the torch backend: its numerics); `split_k` (Triton
-    ops only): the split-K projections of triton_linear.py; `fresh_prefill`: see
+    ops only): the split-K projections of triton_linear.py (and its small_linear);
+    `fresh_prefill`: see
     FRESH_PREFILL."""
     if ops not in OPS or attention not in ATTENTION:
         raise ValueError(f"unknown kernels ops={ops!r} attention={attention!r}")
@@ -94,8 +98,8 @@ def select_kernels(ops: str = "torch", attention: str = "torch",
     paged_attention = attn.paged_attention
     if fp8_attention != "off":
         paged_attention = functools.partial(paged_attention, fp8_attention=fp8_attention)
-    split_k_linear = None
+    split_k_linear = small_linear = None
     if split_k:
-        from nanovllm.kernels.triton_linear import split_k_linear
+        from nanovllm.kernels.triton_linear import small_linear, split_k_linear
     return Kernels(ops, attention, *fns, attn.store_kv, paged_attention, one_pass,
-                   fused_store, split_k_linear, fresh_prefill)
+                   fused_store, split_k_linear, fresh_prefill, small_linear)

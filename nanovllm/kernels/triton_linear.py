@@ -11,8 +11,9 @@ reads its input (triton_ops.add_rms_norm), so the split costs no launch of its o
 
 `split_k_linear` returns a `SplitK` (the partials) or None where a split does not pay (more
 rows than the table below, or a shape it does not divide): the caller then runs its plain
-matmul. Only the Triton ops understand a SplitK; kernels.select_kernels gives this function
-to an engine only with them.
+matmul. `small_linear` (prepared, off: SMALL_GEMMS) runs the same kernel unsplit for the
+other two projections, qkv and gate_up, into their plain output. Only the Triton ops
+understand a SplitK; kernels.select_kernels gives both functions to an engine only with them.
 """
 
 import functools
@@ -29,6 +30,19 @@ from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 # over cuBLAS and the norm); above the last row count, cuBLAS
 TILES = ((16, (16, 64, 64, 4)), (128, (64, 64, 64, 4)), (256, (64, 128, 64, 3)))
 MAX_SPLITS = 8
+# Prepared, off (not measured yet): qkv_proj and gate_up_proj, which cuBLAS runs in a
+# one-rank GPU step, at up to SMALL_TILES' last row count by _split_k_kernel unsplit, into
+# the activations' dtype, as a programmatic dependent launch (`small_linear`). Its launch
+# then overlaps the RMSNorm before it, and the RoPE + store or SiLU after it launches early
+# behind it, where behind a cuBLAS kernel each starts cold: at 32 rows a layer's launches
+# add up to ~51 us on the H200, 20 of them the projections (their weights' read time: 7.7),
+# 13 the small latency-bound launches (BENCHMARKS.md, twentieth session). The tenth
+# session's Triton projections at every row count, with slower tiles, ran 0.978x.
+# `benchmarks/offline.py --small-gemms`; `benchmarks/blas.py --chain` times a layer's norm
+# -> projection -> consumer chains both ways, and sweeps the tiles
+SMALL_GEMMS = False
+# rows -> (block_m, block_n, block_k, stages) of small_linear, whole contraction a program
+SMALL_TILES = ((16, (16, 32, 128, 4)), (64, (64, 32, 128, 3)))
 
 
 @dataclass(frozen=True)
@@ -79,19 +93,43 @@ def _sms(device: torch.device) -> int:
     return _num_sms(device)
 
 
-def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
-    """x [M, K] @ weight [N, K]^T as S partial products, S chosen to fill the GPU's SMs; None
-    where a split does not pay or the shapes do not divide into the tiles."""
+def _tile(x: torch.Tensor, weight: torch.Tensor, table, narrow_k: bool = False):
+    """(m, n, k, tile) of x [M, K] @ weight [N, K]^T at the first tile of `table` (rows ->
+    (block_m, block_n, block_k, stages)) taking M rows, or None where none does, there are
+    no rows, a row is strided, or N and K do not divide into it (with `narrow_k`, block_k
+    halves down to 16 until K does)."""
     m, k = x.shape[0], weight.shape[1]
     if x.shape[1] != k:
         raise ValueError(f"x of {x.shape[1]} columns for a weight of {k} inputs")
     n = weight.shape[0]
-    tile = next((t for rows, t in TILES if m <= rows), None)
+    tile = next((t for rows, t in table if m <= rows), None)
     if tile is None or m == 0 or x.stride(1) != 1 or weight.stride(1) != 1:
         return None
     block_m, block_n, block_k, stages = tile
+    while narrow_k and block_k > 16 and k % block_k:  # the tests' tiny models
+        block_k //= 2
     if n % block_n or k % block_k:
         return None
+    return m, n, k, (block_m, block_n, block_k, stages)
+
+
+def _launch(x, weight, out, m, n, k, tile, splits: int) -> None:
+    block_m, block_n, block_k, stages = tile
+    _split_k_kernel[(triton.cdiv(m, block_m), n // block_n, splits)](
+        x, weight, out, m, n, k, k // splits, x.stride(0), weight.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=stages, **pdl_launch(x))
+
+
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
+    """x [M, K] @ weight [N, K]^T as S partial products, S chosen to fill the GPU's SMs; None
+    where a split does not pay or the shapes do not divide into the tiles."""
+    shapes = _tile(x, weight, TILES)
+    if shapes is None:
+        return None
+    m, n, k, tile = shapes
+    block_m, block_n, block_k, _ = tile
     tiles = triton.cdiv(m, block_m) * (n // block_n)
     splits = min(MAX_SPLITS, triton.next_power_of_2(max(1, _sms(x.device) // tiles + 1)) // 2)
     while splits > 1 and k % (splits * block_k):
@@ -99,9 +137,18 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
     if splits < 2:  # enough tiles already: the plain matmul
         return None
     parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    _split_k_kernel[(triton.cdiv(m, block_m), n // block_n, splits)](
-        x, weight, parts, m, n, k, k // splits, x.stride(0), weight.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=stages, **pdl_launch(x))
+    _launch(x, weight, parts, m, n, k, tile, splits)
     return SplitK(parts, x.dtype)
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] @ weight [N, K]^T in x's dtype by one launch of _split_k_kernel unsplit
+    (SMALL_GEMMS), for steps of few rows; None where the switch is off, M is above
+    SMALL_TILES' last row count, or the shapes do not divide into its tile."""
+    shapes = _tile(x, weight, SMALL_TILES, narrow_k=True) if SMALL_GEMMS else None
+    if shapes is None:
+        return None
+    m, n, k, tile = shapes
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _launch(x, weight, out, m, n, k, tile, 1)
+    return out

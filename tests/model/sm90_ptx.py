@@ -195,6 +195,22 @@ def record_split_k() -> list:
     return calls
 
 
+def record_small_gemms() -> list:
+    """small_linear's launches (triton_linear.SMALL_GEMMS) at each of its tiles, at
+    Qwen3-0.6B's qkv_proj and gate_up_proj shapes in bf16, as a GPU engine makes them."""
+    import importlib
+
+    tl_ = importlib.reload(importlib.import_module("nanovllm.kernels.triton_linear"))
+    calls = []
+    tl_._split_k_kernel = Recorder(tl_._split_k_kernel, calls)
+    tl_.SMALL_GEMMS = True
+    for rows, _ in tl_.SMALL_TILES:
+        for n in (4096, 6144):
+            tl_.small_linear(torch.zeros(rows, 1024, dtype=torch.bfloat16),
+                             torch.zeros(n, 1024, dtype=torch.bfloat16))
+    return calls
+
+
 def record_norms() -> list:
     """The RMSNorm kernel's launches (kernels/triton_ops.py) as a decode step of 256 rows
     makes them: alone, after a residual add, after a split-K projection's partials."""
@@ -309,6 +325,7 @@ def main() -> None:
     launches += [("sampler", call) for call in record_sampler()]
     launches += [("split-k", call) for call in record_split_k()]
     launches += [("norm", call) for call in record_norms()]
+    launches += [("small-gemm", call) for call in record_small_gemms()]
     if "--pdl" in sys.argv[1:]:  # each kernel as programmatic dependent launch has it
         for _, (fn, _, kwargs) in launches:
             if "PDL" in fn.arg_names:

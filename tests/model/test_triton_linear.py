@@ -125,3 +125,84 @@ def test_gpu_split_k_at_model_shapes(rows, k, n, dtype):
         assert n == 4096 and rows > 16
         return
     check(rows, k, n, dtype, "cuda")
+
+
+@pytest.fixture
+def small_gemms(monkeypatch):
+    monkeypatch.setattr(linear, "SMALL_GEMMS", True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 64])
+def test_small_linear_matches_matmul(triton_device, rows, dtype, small_gemms):
+    # qkv_proj and gate_up_proj at few rows (triton_linear.SMALL_GEMMS): the plain output, in
+    # the input's dtype, rounded once from an fp32 accumulator as cuBLAS rounds its own
+    x = randn(rows, 256, device=triton_device, dtype=dtype, seed=1)
+    w = randn(96, 256, device=triton_device, dtype=dtype, seed=2, scale=256 ** -0.5)
+    y = linear.small_linear(x, w)
+    assert y.dtype == dtype and y.shape == (rows, 96)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), atol=atol, rtol=rtol)
+
+
+def test_small_linear_is_off_unless_switched_on_and_declines_what_it_does_not_take(
+        monkeypatch):
+    x, w = torch.randn(4, 256), torch.randn(64, 256)
+    assert linear.small_linear(x, w) is None, "prepared, off: the plain matmul"
+    monkeypatch.setattr(linear, "SMALL_GEMMS", True)
+    # more rows than its tiles; N off its tile; K off every tile; no rows
+    for rows, k, n in ((65, 256, 64), (4, 256, 48), (4, 24, 64), (0, 256, 64)):
+        assert linear.small_linear(torch.randn(rows, k), torch.randn(n, k)) is None
+    with pytest.raises(ValueError, match="512 columns for a weight of 256 inputs"):
+        linear.small_linear(torch.randn(4, 512), w)
+
+
+def test_engine_with_small_gemms_matches_transformers(tiny_model, hf_tiny_model,
+                                                      triton_interpreter, small_gemms,
+                                                      monkeypatch):
+    # qkv_proj and gate_up_proj by small_linear (K=64 of the tiny models), o_proj and
+    # down_proj split-K where they split: the whole layer in Triton launches
+    ran = [0]
+    original = linear.small_linear
+
+    def counted(x, weight):
+        y = original(x, weight)
+        ran[0] += y is not None
+        return y
+
+    monkeypatch.setattr(linear, "small_linear", counted)
+    select_kernels.cache_clear()  # the engine's Kernels bind the counted function
+    try:
+        llm = LLM(str(tiny_model), split_k=True, **ENGINE)
+        prompts = make_prompts(seed=5, count=3)
+        out = [o.token_ids for o in llm.generate(prompts, greedy(5), use_tqdm=False)]
+    finally:
+        select_kernels.cache_clear()
+    assert ran[0] > 0, "no projection ran as small_linear"
+    assert out == [hf_greedy(hf_tiny_model, p, 5) for p in prompts]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 16, 40, 64])
+@pytest.mark.parametrize("k,n", [(1024, 4096), (1024, 6144), (4096, 6144), (4096, 24576)])
+def test_gpu_small_linear_at_model_shapes(rows, k, n, dtype, small_gemms):
+    # Qwen3-0.6B's and 8B's qkv_proj and gate_up_proj
+    x = randn(rows, k, device="cuda", dtype=dtype, seed=1)
+    w = randn(n, k, device="cuda", dtype=dtype, seed=2, scale=k ** -0.5)
+    y = linear.small_linear(x, w)
+    assert y is not None and y.dtype == dtype
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(y.float(), F.linear(x, w).float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_with_small_gemms_matches_transformers(tiny_model, hf_tiny_model,
+                                                          small_gemms):
+    # through CUDA graphs (the decode steps' projections) and PDL
+    llm = LLM(str(tiny_model), device="cuda", dtype="float32", max_model_len=256,
+              kv_cache_gib=1)
+    assert llm.engine.config.split_k
+    prompts = make_prompts(seed=5, count=6)
+    out = [o.token_ids for o in llm.generate(prompts, greedy(8), use_tqdm=False)]
+    assert out == [hf_greedy(hf_tiny_model, p, 8) for p in prompts]

@@ -96,9 +96,11 @@ def test_attention_kernels_compile_for_sm90_with_vector_loads():
     # their uniforms (a call per token was 257 wide multiplies) and the logarithms are the
     # hardware's (tl.log2's polynomial, 384 FMAs); it took 221 us a step at 256 rows on an
     # H200, 3.5% of a decode step
-    # the split-K projections (one launch per tile of its table) run on the tensor cores
+    # the split-K projections (one launch per tile of its table) and the small GEMMs
+    # (triton_linear.SMALL_GEMMS, each of its tiles) run on the tensor cores
+    assert ("_split_k_kernel", "small-gemm") in compiled
     for r in results:
-        if r["case"] == "split-k":
+        if r["case"] in ("split-k", "small-gemm"):
             assert r["ops"]["wgmma"] + r["ops"]["mma.sync"] > 0, r
     sampler = {r["kernel"]: r for r in results if r["case"] == "sampler"}
     race = sampler["_gumbel_argmax_kernel"]

@@ -27,19 +27,21 @@ class Linear(nn.Module):
     format "int4" or "int4-bf16"): the dense weight is dropped and torch's int4 CPU kernel
     multiplies; "int4-bf16" also keeps a bfloat16 copy for steps of many rows.
 
-    `split_k` (Kernels.split_k_linear; one rank, no bias): for steps of few rows the output
-    may come back as split-K partial products (triton_linear.SplitK) that only a residual-add
-    RMSNorm consumes, so the model gives it only to projections that feed one.
+    `few_rows` (one rank, no bias): a kernel tried first, for steps of few rows, returning
+    the output or None for the plain matmul. Kernels.split_k_linear's output is split-K
+    partial products (triton_linear.SplitK) that only a residual-add RMSNorm consumes, so the
+    model gives it only to projections that feed one; Kernels.small_linear's is the plain
+    output (triton_linear.SMALL_GEMMS).
     """
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False,
         tp: TensorParallel = SINGLE, parallel: str | None = None,
-        split_k: Callable | None = None,
+        few_rows: Callable | None = None,
     ) -> None:
         super().__init__()
         self.tp, self.parallel = tp, parallel if tp.size > 1 else None
-        self.split_k = split_k if tp.size == 1 and not bias else None
+        self.few_rows = few_rows if tp.size == 1 and not bias else None
         self.full_shape = (out_features, in_features)
         self.part: tuple[int, int, int] | None = None  # (dim, start, length) of the checkpoint
         if self.parallel == "column":
@@ -90,10 +92,10 @@ class Linear(nn.Module):
         return "dense (dequantized)"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.split_k is not None and self.packed is None:
-            partials = self.split_k(x, self.weight)  # None: more rows than a split pays for
-            if partials is not None:
-                return partials
+        if self.few_rows is not None and self.packed is None:
+            y = self.few_rows(x, self.weight)  # None: more rows than it pays for
+            if y is not None:
+                return y
         if self.packed is not None:
             if self.bf16 is not None and x.shape[0] >= BF16_FROM_ROWS:  # x: [T, K]
                 y = F.linear(x.to(torch.bfloat16), self.bf16).to(x.dtype)
@@ -120,10 +122,12 @@ class MergedLinear(Linear):
     def __init__(
         self, in_features: int, shards: dict[str, int], bias: bool = False,
         tp: TensorParallel = SINGLE, parts: dict[str, tuple[int, int]] | None = None,
+        few_rows: Callable | None = None,
     ) -> None:
         if parts is None:
             parts = {name: tp.split(size, "output features") for name, size in shards.items()}
-        super().__init__(in_features, sum(n for _, n in parts.values()), bias)
+        super().__init__(in_features, sum(n for _, n in parts.values()), bias,
+                         few_rows=few_rows if tp.size == 1 else None)
         self.full_sizes = dict(shards)
         self.sources = parts  # shard -> (start, length) in the checkpoint tensor
         self.offsets: dict[str, tuple[int, int]] = {}

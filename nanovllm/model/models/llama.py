@@ -29,11 +29,11 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             cfg.hidden_size, {"q": full_q, "k": full_kv, "v": full_kv}, bias=cfg.attention_bias,
             parts={"q": (q_head * D, q_size), "k": (kv_head * D, kv_size),
-                   "v": (kv_head * D, kv_size)},
+                   "v": (kv_head * D, kv_size)}, few_rows=kernels.small_linear,
         )
         # o_proj and down_proj feed a residual-add RMSNorm: they may return split-K partials
         self.o_proj = Linear(full_q, cfg.hidden_size, tp=tp, parallel="row",
-                             split_k=kernels.split_k_linear)
+                             few_rows=kernels.split_k_linear)
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, kernels)
         if cfg.qk_norm:
@@ -64,9 +64,10 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: Kernels, tp: TensorParallel) -> None:
         super().__init__()
         size = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size}, tp=tp)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size}, tp=tp,
+                                         few_rows=kernels.small_linear)
         self.down_proj = Linear(size, cfg.hidden_size, tp=tp, parallel="row",
-                                split_k=kernels.split_k_linear)
+                                few_rows=kernels.split_k_linear)
         self.silu_and_mul = kernels.silu_and_mul  # silu(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
