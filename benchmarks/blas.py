@@ -15,8 +15,8 @@ The settings come from the environment, so compare them one process each, e.g.:
 
 `--chain`: instead, a layer's RMSNorm -> projection -> SiLU (the engine's Triton norm and SiLU,
 under PDL) for qkv and gate_up, 28 layers in one graph, the projection by cuBLAS against
-triton_linear.small_linear (SMALL_GEMMS) at its default tiles and over a sweep of tiles: does
-a projection that chains under PDL with its neighbours pay, and at which tiles?
+triton_linear.small_linear (SMALL_GEMMS) both ways, and with `--sweep` over the pipelined
+kernel's tiles: does a projection that chains under PDL with its neighbours pay, and how?
 
 `--triton`: also triton_linear's GEMM kernel unsplit (one program per output tile, the whole
 contraction each) over a sweep of tiles, at qkv's and gate_up's shapes, each row count's
@@ -42,9 +42,10 @@ def main() -> None:
     ap.add_argument("--triton", action="store_true", help="and a sweep of Triton tiles")
     ap.add_argument("--chain", action="store_true",
                     help="norm -> qkv / gate_up -> SiLU chains, cuBLAS against small_linear")
+    ap.add_argument("--sweep", action="store_true", help="with --chain: and a tile sweep")
     args = ap.parse_args()
     if args.chain:
-        chains(args.rows)
+        chains(args.rows, args.sweep)
         return
     if args.no_reduced_precision:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -96,7 +97,7 @@ def triton_sweep(weights: dict, row_counts, bandwidth: float) -> None:
                   f"Triton best {best} ({cublas / results[0][0]:.2f}x)", flush=True)
 
 
-def chains(row_counts) -> None:
+def chains(row_counts, sweep: bool) -> None:
     import itertools
 
     import torch.nn.functional as F
@@ -109,9 +110,8 @@ def chains(row_counts) -> None:
                       for _ in range(LAYERS)] for name, k, n in SHAPES[::2]}
     norm_w = torch.ones(1024, device=dev, dtype=torch.bfloat16)
     defaults = triton_linear.SMALL_TILES
-    triton_linear.SMALL_GEMMS = True
     print("us a layer: RMSNorm (residual add) -> projection -> SiLU, the projection by cuBLAS "
-          "and by small_linear")
+          "and by small_linear (SMALL_GEMMS 'pipelined' at its default tiles, and 'w-first')")
     for rows in row_counts:
         h = torch.randn(rows, 1024, device=dev, dtype=torch.bfloat16)
         res = torch.zeros(rows, 1024, device=dev, dtype=torch.bfloat16)
@@ -123,27 +123,32 @@ def chains(row_counts) -> None:
                     assert y is not None, "small_linear declined the shape"
                     triton_ops.silu_and_mul(y)
 
-            cublas = graph_time(lambda: run(F.linear)) / LAYERS
-            triton_linear.SMALL_TILES = defaults
-            default_tile = next((t for r, t in defaults if rows <= r), None)
-            mine = graph_time(lambda: run(triton_linear.small_linear)) / LAYERS \
-                if default_tile else float("nan")
-            bm = min(64, max(16, 1 << (rows - 1).bit_length()))
-            swept = []
-            for bn, bk, stages in itertools.product((16, 32, 64), (64, 128, 256), (3, 4)):
-                triton_linear.SMALL_TILES = ((rows, (bm, bn, bk, stages)),)
+            def small(mode, tiles=defaults):
+                triton_linear.SMALL_GEMMS, triton_linear.SMALL_TILES = mode, tiles
                 try:
-                    us = graph_time(lambda: run(triton_linear.small_linear)) / LAYERS
-                except Exception as e:  # out of shared memory, say
-                    print(f"  {name} {rows} {(bm, bn, bk, stages)}: {type(e).__name__}")
-                    continue
-                swept.append((us, (bm, bn, bk, stages)))
-            swept.sort()
-            best = ", ".join(f"{us:.2f} {tile}" for us, tile in swept[:3])
-            print(f"{name:>8} {rows:>4} rows: cuBLAS {cublas:.2f}, small_linear {mine:.2f} "
-                  f"{default_tile} ({cublas / mine:.2f}x); best {best} "
-                  f"({cublas / swept[0][0]:.2f}x)", flush=True)
-    triton_linear.SMALL_TILES = defaults
+                    return graph_time(lambda: run(triton_linear.small_linear)) / LAYERS
+                finally:
+                    triton_linear.SMALL_GEMMS, triton_linear.SMALL_TILES = False, defaults
+
+            cublas = graph_time(lambda: run(F.linear)) / LAYERS
+            taken = any(rows <= r for r, _ in defaults)
+            pipelined = small("pipelined") if taken else float("nan")
+            w_first = small("w-first") if taken else float("nan")
+            line = (f"{name:>8} {rows:>4} rows: cuBLAS {cublas:6.2f}, pipelined {pipelined:6.2f} "
+                    f"({cublas / pipelined:.2f}x), w-first {w_first:6.2f} "
+                    f"({cublas / w_first:.2f}x)")
+            if sweep:  # the pipelined kernel's tiles at this row count
+                bm = min(64, max(16, 1 << (rows - 1).bit_length()))
+                swept = []
+                for bn, bk, stages in itertools.product((16, 32, 64), (64, 128, 256), (3, 4)):
+                    tile = (bm, bn, bk, stages)
+                    try:
+                        swept.append((small("pipelined", ((rows, tile),)), tile))
+                    except Exception as e:  # out of shared memory, say
+                        print(f"  {name} {rows} {tile}: {type(e).__name__}")
+                swept.sort()
+                line += "; best " + ", ".join(f"{us:.2f} {t}" for us, t in swept[:3])
+            print(line, flush=True)
 
 
 def linear_time(x: torch.Tensor, ws: list) -> float:

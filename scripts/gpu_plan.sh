@@ -60,10 +60,12 @@
 #   bash scripts/gpu_plan.sh smallgemm # qkv and gate_up at few rows by Triton under PDL
 #                                     # (triton_linear.SMALL_GEMMS, off): its GPU tests
 #                                     # (SKIP_TESTS=1 skips them), blas.py --chain (norm ->
-#                                     # projection -> SiLU, cuBLAS against small_linear and a
-#                                     # tile sweep; SKIP_CHAIN=1 skips it), then the seed
-#                                     # workload, DTYPES (fp8 auto), defaults against
-#                                     # --small-gemms, alternating, ROUNDS (2), after a warm-up
+#                                     # projection -> SiLU, cuBLAS against small_linear both
+#                                     # ways; SWEEP=1: and a tile sweep; SKIP_CHAIN=1 skips
+#                                     # it), then the seed workload, DTYPES (fp8 auto),
+#                                     # defaults against --small-gemms and
+#                                     # --small-gemms-pipelined, alternating, ROUNDS (2),
+#                                     # after a warm-up
 #   bash scripts/gpu_plan.sh fp8splits # the fp8 decode's KV splits at small batches
 #                                     # (attention.py --fp8-splits), then the seed workload,
 #                                     # fp8, defaults against --decode-programs-per-sm PER_SM
@@ -504,14 +506,17 @@ case "$stage" in
         | tee "$OUT/smallgemm_tests.log"
     fi
     if [ -z "${SKIP_CHAIN:-}" ]; then
-      timeout 240 python3 -m benchmarks.blas --chain --rows ${CHAIN_ROWS:-1 16 32 64 128} 2>&1 \
-        | tee "$OUT/smallgemm_chain.log" | tail -12
+      # shellcheck disable=SC2086
+      timeout 240 python3 -m benchmarks.blas --chain --rows ${CHAIN_ROWS:-1 16 32 64} \
+        ${SWEEP:+--sweep} 2>&1 | tee "$OUT/smallgemm_chain.log" | tail -12
     fi
     for dtype in ${DTYPES:-fp8 auto}; do
       offline smallgemm.log "warm-up $dtype, not counted" "$dtype"
       for round in $(seq "${ROUNDS:-2}"); do
         offline smallgemm.log "round $round $dtype defaults" "$dtype"
         offline smallgemm.log "round $round $dtype --small-gemms" "$dtype" --small-gemms
+        offline smallgemm.log "round $round $dtype --small-gemms-pipelined" "$dtype" \
+          --small-gemms-pipelined
       done
     done ;;
   syncs)

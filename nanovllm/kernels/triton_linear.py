@@ -40,9 +40,15 @@ MAX_SPLITS = 8
 # session's Triton projections at every row count, with slower tiles, ran 0.978x.
 # `benchmarks/offline.py --small-gemms`; `benchmarks/blas.py --chain` times a layer's norm
 # -> projection -> consumer chains both ways, and sweeps the tiles
-SMALL_GEMMS = False
+# "w-first" (the `--small-gemms` switch): where a program's weight slice [SMALL_W_BLOCK_N, K]
+# fits W_FIRST_BYTES, `_w_first_kernel` loads it before its PDL wait, so the weights stream
+# from HBM while the norm before still runs, then loops over the rows' tiles of 16; else, and
+# with "pipelined" (`--small-gemms-pipelined`), _split_k_kernel unsplit at SMALL_TILES
+SMALL_GEMMS: bool | str = False
 # rows -> (block_m, block_n, block_k, stages) of small_linear, whole contraction a program
 SMALL_TILES = ((16, (16, 32, 128, 4)), (64, (64, 32, 128, 3)))
+SMALL_W_BLOCK_N = 16  # output columns of a w-first program (Qwen3-0.6B: 256 / 384 programs)
+W_FIRST_BYTES = 32 * 1024  # its weight slice in registers: 64 a thread of 4 warps
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,26 @@ def _launch(x, weight, out, m, n, k, tile, splits: int) -> None:
         num_warps=4, num_stages=stages, **pdl_launch(x))
 
 
+@triton.jit
+def _w_first_kernel(x_ptr, w_ptr, out_ptr, M, stride_x, stride_w, K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    # program n tile: its weight slice w[n tile, :] read before the wait (the weights are
+    # no kernel's output), then x @ slice^T for each tile of BLOCK_M rows
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, K)
+    w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None])  # [K, N]
+    pdl_enter(PDL)
+    for m0 in range(0, M, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m[:, None] < M
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_x + offs_k[None, :],
+                    mask=row_ok, other=0.0)
+        acc = tl.dot(x, w, input_precision=PRECISION)
+        n_out = tl.num_programs(0) * BLOCK_N
+        tl.store(out_ptr + offs_m[:, None] * n_out + offs_n[None, :], acc, mask=row_ok)
+
+
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
     """x [M, K] @ weight [N, K]^T as S partial products, S chosen to fill the GPU's SMs; None
     where a split does not pay or the shapes do not divide into the tiles."""
@@ -142,13 +168,22 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """x [M, K] @ weight [N, K]^T in x's dtype by one launch of _split_k_kernel unsplit
-    (SMALL_GEMMS), for steps of few rows; None where the switch is off, M is above
-    SMALL_TILES' last row count, or the shapes do not divide into its tile."""
+    """x [M, K] @ weight [N, K]^T in x's dtype by one launch (SMALL_GEMMS: of _w_first_kernel
+    where its slice fits, else of _split_k_kernel unsplit), for steps of few rows; None where
+    the switch is off, M is above SMALL_TILES' last row count, or the shapes do not divide
+    into its tile."""
     shapes = _tile(x, weight, SMALL_TILES, narrow_k=True) if SMALL_GEMMS else None
     if shapes is None:
         return None
     m, n, k, tile = shapes
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _launch(x, weight, out, m, n, k, tile, 1)
+    bn = SMALL_W_BLOCK_N
+    if (SMALL_GEMMS == "w-first" and n % bn == 0 and k & (k - 1) == 0 and k >= 16
+            and bn * k * x.element_size() <= W_FIRST_BYTES):
+        _w_first_kernel[(n // bn,)](
+            x, weight, out, m, x.stride(0), weight.stride(0), K=k, BLOCK_M=16, BLOCK_N=bn,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+            num_stages=1, **pdl_launch(x))  # 1-4 row tiles: no pipelining, less shared
+    else:
+        _launch(x, weight, out, m, n, k, tile, 1)
     return out

@@ -127,9 +127,10 @@ def test_gpu_split_k_at_model_shapes(rows, k, n, dtype):
     check(rows, k, n, dtype, "cuda")
 
 
-@pytest.fixture
-def small_gemms(monkeypatch):
-    monkeypatch.setattr(linear, "SMALL_GEMMS", True)
+@pytest.fixture(params=["pipelined", "w-first"])
+def small_gemms(request, monkeypatch):
+    monkeypatch.setattr(linear, "SMALL_GEMMS", request.param)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
