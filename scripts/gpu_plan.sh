@@ -62,7 +62,7 @@
 #                                     # (SKIP_TESTS=1 skips them), blas.py --chain (norm ->
 #                                     # projection -> SiLU, cuBLAS against small_linear both
 #                                     # ways; SWEEP=1: and a tile sweep; SKIP_CHAIN=1 skips
-#                                     # it), then the seed workload, DTYPES (fp8 auto),
+#                                     # it), then the seed workload, DTYPES (fp8),
 #                                     # defaults against --small-gemms and
 #                                     # --small-gemms-pipelined, alternating, ROUNDS (2),
 #                                     # after a warm-up
@@ -316,7 +316,7 @@ case "$stage" in
     done ;;
   pdl)
     if [ -z "${SKIP_TESTS:-}" ]; then
-      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
+      timeout "${TESTS_S:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider -x \
         tests/engine/test_gpu_engine.py tests/engine/test_fp8_kv.py \
         tests/model/test_triton_linear.py tests/model/test_rope_store.py \
         tests/model/test_triton_attention.py -k "greedy or graph or fp8 or split or rope or longest" \
@@ -501,7 +501,7 @@ case "$stage" in
     done ;;
   smallgemm)  # triton_linear.SMALL_GEMMS (prepared, off)
     if [ -z "${SKIP_TESTS:-}" ]; then
-      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
+      timeout "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -x \
         tests/model/test_triton_linear.py tests/model/test_fused_ops.py 2>&1 | tail -2 \
         | tee "$OUT/smallgemm_tests.log"
     fi
@@ -510,7 +510,7 @@ case "$stage" in
       timeout 240 python3 -m benchmarks.blas --chain --rows ${CHAIN_ROWS:-1 16 32 64} \
         ${SWEEP:+--sweep} 2>&1 | tee "$OUT/smallgemm_chain.log" | tail -12
     fi
-    for dtype in ${DTYPES:-fp8 auto}; do
+    for dtype in ${DTYPES:-fp8}; do
       offline smallgemm.log "warm-up $dtype, not counted" "$dtype"
       for round in $(seq "${ROUNDS:-2}"); do
         offline smallgemm.log "round $round $dtype defaults" "$dtype"
