@@ -97,7 +97,7 @@ def triton_sweep(weights: dict, row_counts, bandwidth: float) -> None:
                   f"Triton best {best} ({cublas / results[0][0]:.2f}x)", flush=True)
 
 
-def chains(row_counts, sweep: bool) -> None:
+def chains(row_counts, sweep: bool, device: str = "cuda") -> None:
     import itertools
 
     import torch.nn.functional as F
@@ -105,16 +105,18 @@ def chains(row_counts, sweep: bool) -> None:
     from nanovllm.kernels import triton_linear, triton_ops
 
     torch.manual_seed(0)
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     weights = {name: [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
                       for _ in range(LAYERS)] for name, k, n in SHAPES[::2]}
     norm_w = torch.ones(1024, device=dev, dtype=torch.bfloat16)
-    defaults = triton_linear.SMALL_TILES
+    defaults, w_first_rows = triton_linear.SMALL_TILES, triton_linear.W_FIRST_ROWS
     print("us a layer: RMSNorm (residual add) -> projection -> SiLU, the projection by cuBLAS "
           "and by small_linear (SMALL_GEMMS 'pipelined' at its default tiles, and 'w-first')")
     for rows in row_counts:
         h = torch.randn(rows, 1024, device=dev, dtype=torch.bfloat16)
         res = torch.zeros(rows, 1024, device=dev, dtype=torch.bfloat16)
+        # the default tile for these rows, or the last one's above them
+        tiles = defaults if rows <= defaults[-1][0] else ((rows, defaults[-1][1]),)
         for name, _, _ in SHAPES[::2]:
             def run(proj, ws=weights[name], h=h, res=res):
                 for w in ws:
@@ -123,17 +125,19 @@ def chains(row_counts, sweep: bool) -> None:
                     assert y is not None, "small_linear declined the shape"
                     triton_ops.silu_and_mul(y)
 
-            def small(mode, tiles=defaults):
+            def small(mode, tiles=tiles, rows=rows):
+                # above the engine's row limits (SMALL_TILES, W_FIRST_ROWS) as well
                 triton_linear.SMALL_GEMMS, triton_linear.SMALL_TILES = mode, tiles
+                triton_linear.W_FIRST_ROWS = max(rows, w_first_rows)
                 try:
                     return graph_time(lambda: run(triton_linear.small_linear)) / LAYERS
                 finally:
                     triton_linear.SMALL_GEMMS, triton_linear.SMALL_TILES = False, defaults
+                    triton_linear.W_FIRST_ROWS = w_first_rows
 
             cublas = graph_time(lambda: run(F.linear)) / LAYERS
-            taken = any(rows <= r for r, _ in defaults)
-            pipelined = small("pipelined") if taken else float("nan")
-            w_first = small("w-first") if taken else float("nan")
+            pipelined = small("pipelined")
+            w_first = small("w-first")
             line = (f"{name:>8} {rows:>4} rows: cuBLAS {cublas:6.2f}, pipelined {pipelined:6.2f} "
                     f"({cublas / pipelined:.2f}x), w-first {w_first:6.2f} "
                     f"({cublas / w_first:.2f}x)")

@@ -507,7 +507,7 @@ case "$stage" in
     fi
     if [ -z "${SKIP_CHAIN:-}" ]; then
       # shellcheck disable=SC2086
-      timeout 240 python3 -m benchmarks.blas --chain --rows ${CHAIN_ROWS:-1 16 32 64} \
+      timeout 240 python3 -m benchmarks.blas --chain --rows ${CHAIN_ROWS:-1 16 32 64 128 256} \
         ${SWEEP:+--sweep} 2>&1 | tee "$OUT/smallgemm_chain.log" | tail -12
     fi
     for dtype in ${DTYPES:-fp8}; do

@@ -49,6 +49,9 @@ SMALL_GEMMS: bool | str = False
 SMALL_TILES = ((16, (16, 32, 128, 4)), (64, (64, 32, 128, 3)))
 SMALL_W_BLOCK_N = 16  # output columns of a w-first program (Qwen3-0.6B: 256 / 384 programs)
 W_FIRST_BYTES = 32 * 1024  # its weight slice in registers: 64 a thread of 4 warps
+# every w-first program reads all the rows (from the L2): 256 programs x 64 rows x 2 KB is
+# 32 MB at qkv's shape, so above this many rows the pipelined kernel takes them
+W_FIRST_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,8 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     m, n, k, tile = shapes
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bn = SMALL_W_BLOCK_N
-    if (SMALL_GEMMS == "w-first" and n % bn == 0 and k & (k - 1) == 0 and k >= 16
+    if (SMALL_GEMMS == "w-first" and m <= W_FIRST_ROWS and n % bn == 0
+            and k & (k - 1) == 0 and k >= 16
             and bn * k * x.element_size() <= W_FIRST_BYTES):
         _w_first_kernel[(n // bn,)](
             x, weight, out, m, x.stride(0), weight.stride(0), K=k, BLOCK_M=16, BLOCK_N=bn,
