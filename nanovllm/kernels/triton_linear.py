@@ -31,19 +31,19 @@ from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 TILES = ((16, (16, 64, 64, 4)), (128, (64, 64, 64, 4)), (256, (64, 128, 64, 3)))
 MAX_SPLITS = 8
 # Prepared, off (not measured yet): qkv_proj and gate_up_proj, which cuBLAS runs in a
-# one-rank GPU step, at up to SMALL_TILES' last row count by _split_k_kernel unsplit, into
-# the activations' dtype, as a programmatic dependent launch (`small_linear`). Its launch
-# then overlaps the RMSNorm before it, and the RoPE + store or SiLU after it launches early
-# behind it, where behind a cuBLAS kernel each starts cold: at 32 rows a layer's launches
-# add up to ~51 us on the H200, 20 of them the projections (their weights' read time: 7.7),
-# 13 the small latency-bound launches (BENCHMARKS.md, twentieth session). The tenth
-# session's Triton projections at every row count, with slower tiles, ran 0.978x.
-# `benchmarks/offline.py --small-gemms`; `benchmarks/blas.py --chain` times a layer's norm
-# -> projection -> consumer chains both ways, and sweeps the tiles
-# "w-first" (the `--small-gemms` switch): where a program's weight slice [SMALL_W_BLOCK_N, K]
-# fits W_FIRST_BYTES, `_w_first_kernel` loads it before its PDL wait, so the weights stream
-# from HBM while the norm before still runs, then loops over the rows' tiles of 16; else, and
-# with "pipelined" (`--small-gemms-pipelined`), _split_k_kernel unsplit at SMALL_TILES
+# one-rank GPU step, at up to SMALL_TILES' last row count by a Triton launch into the
+# activations' dtype, a programmatic dependent one (`small_linear`): it launches during the
+# RMSNorm before it, and the RoPE + store or SiLU after it launches early behind it, where
+# behind a cuBLAS kernel each starts cold. At 32 rows a layer's launches add up to ~51 us on
+# the H200, 20 of them the projections (their weights' read time: 7.7), 13 the small
+# latency-bound launches (BENCHMARKS.md, twentieth session); the tenth session's Triton
+# projections at every row count, with slower tiles, ran 0.978x. "w-first"
+# (`benchmarks/offline.py --small-gemms`): where a program's weight slice [SMALL_W_BLOCK_N,
+# K] fits W_FIRST_BYTES and M is at most W_FIRST_ROWS, `_w_first_kernel` reads it before its
+# PDL wait, so the weights stream from HBM while the norm before still runs, then takes the
+# rows 16 at a time; else, and with "pipelined" (`--small-gemms-pipelined`), _split_k_kernel
+# unsplit at SMALL_TILES. `benchmarks/blas.py --chain` times a layer's norm -> projection ->
+# SiLU chains each way
 SMALL_GEMMS: bool | str = False
 # rows -> (block_m, block_n, block_k, stages) of small_linear, whole contraction a program
 SMALL_TILES = ((16, (16, 32, 128, 4)), (64, (64, 32, 128, 3)))
