@@ -62,7 +62,8 @@
 #                                     # (SKIP_TESTS=1 skips them), blas.py --chain (norm ->
 #                                     # projection -> SiLU, cuBLAS against small_linear both
 #                                     # ways; SWEEP=1: and a tile sweep; SKIP_CHAIN=1 skips
-#                                     # it), then the seed workload, DTYPES (fp8),
+#                                     # it), a 32-row step's kernels each way (SKIP_PROFILE=1
+#                                     # skips it), then the seed workload, DTYPES (fp8),
 #                                     # defaults against --small-gemms and
 #                                     # --small-gemms-pipelined, alternating, ROUNDS (2),
 #                                     # after a warm-up
@@ -509,6 +510,14 @@ case "$stage" in
       # shellcheck disable=SC2086
       timeout 240 python3 -m benchmarks.blas --chain --rows ${CHAIN_ROWS:-1 16 32 64 128 256} \
         ${SWEEP:+--sweep} 2>&1 | tee "$OUT/smallgemm_chain.log" | tail -12
+    fi
+    if [ -z "${SKIP_PROFILE:-}" ]; then  # a 32-row decode step's kernels, each way
+      for flags in "" --small-gemms; do
+        # shellcheck disable=SC2086
+        timeout 100 python3 -m benchmarks.profile_step --kv-cache-dtype fp8 --num-seqs 32 \
+          $flags 2>&1 | grep -E "kernel|nvjet|Self CUDA" | sed "s/^/${flags:-defaults}: /" \
+          | tee -a "$OUT/smallgemm_profile.log" | cut -c1-70,150-240
+      done
     fi
     for dtype in ${DTYPES:-fp8}; do
       offline smallgemm.log "warm-up $dtype, not counted" "$dtype"
