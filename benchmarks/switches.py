@@ -61,6 +61,11 @@ SWITCHES = {
         "nanovllm.kernels.triton_linear", "SMALL_GEMMS", "pipelined",
         "the same by the split-K kernel unsplit, its loads after its wait "
         "(triton_linear.SMALL_GEMMS 'pipelined'; prepared 2026-12-03, not measured)"),
+    "--w-first-split-k": (
+        "nanovllm.kernels.triton_linear", "W_FIRST_SPLIT_K", True,
+        "o_proj and down_proj at up to 64 rows as split-K partials whose programs read their "
+        "weights before their PDL wait (triton_linear.W_FIRST_SPLIT_K on; prepared "
+        "2026-12-03, not measured)"),
     "--gc-freeze": (
         "nanovllm.worker.model_runner", "FREEZE_GC_AFTER_SETUP", True,
         "collect and freeze Python's garbage collector after start-up "

@@ -52,6 +52,11 @@ W_FIRST_BYTES = 32 * 1024  # its weight slice in registers: 64 a thread of 4 war
 # every w-first program reads all the rows (from the L2): 256 programs x 64 rows x 2 KB is
 # 32 MB at qkv's shape, so above this many rows the pipelined kernel takes them
 W_FIRST_ROWS = 64
+# Prepared, off (not measured yet): split_k_linear (o_proj, down_proj) at up to W_FIRST_ROWS
+# rows by _w_first_kernel too, each program's weight slice (a split's share of its columns)
+# read before its PDL wait: o_proj's during the decode attention's last programs, down_proj's
+# during the SiLU. `benchmarks/offline.py --w-first-split-k`
+W_FIRST_SPLIT_K = False
 
 
 @dataclass(frozen=True)
@@ -132,28 +137,71 @@ def _launch(x, weight, out, m, n, k, tile, splits: int) -> None:
 
 
 @triton.jit
-def _w_first_kernel(x_ptr, w_ptr, out_ptr, M, stride_x, stride_w, K: tl.constexpr,
+def _w_first_kernel(x_ptr, w_ptr, out_ptr, M, stride_x, stride_w, K_LEN: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                     PDL: tl.constexpr = False):
-    # program n tile: its weight slice w[n tile, :] read before the wait (the weights are
-    # no kernel's output), then x @ slice^T for each tile of BLOCK_M rows
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, K)
+    # program (n tile, split): its weight slice w[n tile, split's K_LEN] read before the
+    # wait (the weights are no kernel's output), then x @ slice^T for each tile of BLOCK_M
+    # rows, into out (unsplit) or the split's partial product [M, N] of out
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = split * K_LEN + tl.arange(0, K_LEN)
     w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None])  # [K, N]
     pdl_enter(PDL)
+    n_out = tl.num_programs(0) * BLOCK_N
+    out_ptr += split.to(tl.int64) * M * n_out
     for m0 in range(0, M, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m[:, None] < M
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_x + offs_k[None, :],
                     mask=row_ok, other=0.0)
         acc = tl.dot(x, w, input_precision=PRECISION)
-        n_out = tl.num_programs(0) * BLOCK_N
         tl.store(out_ptr + offs_m[:, None] * n_out + offs_n[None, :], acc, mask=row_ok)
+
+
+def _launch_w_first(x, weight, out, m, n, block_n: int, k_len: int) -> None:
+    _w_first_kernel[(n // block_n, weight.shape[1] // k_len)](
+        x, weight, out, m, x.stride(0), weight.stride(0), K_LEN=k_len, BLOCK_M=16,
+        BLOCK_N=block_n, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=1, **pdl_launch(x))  # 1-4 row tiles: no pipelining
+
+
+def _w_first_split(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
+    """split_k_linear by _w_first_kernel (W_FIRST_SPLIT_K), at the slice [block_n, k_len]
+    (k_len a power of 2 dividing K) of W_FIRST_BYTES, or the largest under it, with programs
+    for three quarters of the SMs or more, that moves the fewest extra bytes: the rows reread
+    by each of N / block_n programs, the K / k_len fp32 partials written and summed. None
+    above W_FIRST_ROWS rows, or where no slice divides the weight."""
+    m, (n, k) = x.shape[0], weight.shape
+    if not 0 < m <= W_FIRST_ROWS or x.stride(1) != 1 or weight.stride(1) != 1:
+        return None
+    size = x.element_size()
+    # (64 columns spilled registers compiled for sm_90 without PDL)
+    slices = [(bn, kl) for bn in (32, 16) for kl in (1024, 512, 256, 128, 64, 32, 16)
+              if n % bn == 0 and k % kl == 0 and bn * kl * size <= W_FIRST_BYTES]
+    if not slices:
+        return None
+    sms, most = _sms(x.device), max(bn * kl for bn, kl in slices)
+    full = [(bn, kl) for bn, kl in slices
+            if bn * kl == most and (n // bn) * (k // kl) * 4 >= sms * 3]
+    if not full:
+        return None
+    bn, kl = min(full, key=lambda s: (n // s[0]) * m * k * size + (k // s[1]) * m * n * 8)
+    parts = torch.empty(k // kl, m, n, dtype=torch.float32, device=x.device)
+    _launch_w_first(x, weight, parts, m, n, bn, kl)
+    return SplitK(parts, x.dtype)
 
 
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
     """x [M, K] @ weight [N, K]^T as S partial products, S chosen to fill the GPU's SMs; None
     where a split does not pay or the shapes do not divide into the tiles."""
+    if W_FIRST_SPLIT_K:
+        if x.shape[1] != weight.shape[1]:
+            raise ValueError(f"x of {x.shape[1]} columns for a weight of {weight.shape[1]} "
+                             f"inputs")
+        parts = _w_first_split(x, weight)
+        if parts is not None:
+            return parts
     shapes = _tile(x, weight, TILES)
     if shapes is None:
         return None
@@ -184,10 +232,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if (SMALL_GEMMS == "w-first" and m <= W_FIRST_ROWS and n % bn == 0
             and k & (k - 1) == 0 and k >= 16
             and bn * k * x.element_size() <= W_FIRST_BYTES):
-        _w_first_kernel[(n // bn,)](
-            x, weight, out, m, x.stride(0), weight.stride(0), K=k, BLOCK_M=16, BLOCK_N=bn,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
-            num_stages=1, **pdl_launch(x))  # 1-4 row tiles: no pipelining, less shared
+        _launch_w_first(x, weight, out, m, n, bn, k)
     else:
         _launch(x, weight, out, m, n, k, tile, 1)
     return out

@@ -197,8 +197,8 @@ def record_split_k() -> list:
 
 def record_small_gemms() -> list:
     """small_linear's launches (triton_linear.SMALL_GEMMS, both kernels) at each of its
-    tiles, at Qwen3-0.6B's qkv_proj and gate_up_proj shapes in bf16, as a GPU engine makes
-    them."""
+    tiles, at Qwen3-0.6B's qkv_proj and gate_up_proj shapes in bf16, and the w-first split-K
+    (W_FIRST_SPLIT_K) at its o_proj and down_proj shapes, as a GPU engine makes them."""
     import importlib
 
     tl_ = importlib.reload(importlib.import_module("nanovllm.kernels.triton_linear"))
@@ -211,6 +211,11 @@ def record_small_gemms() -> list:
             for n in (4096, 6144):
                 tl_.small_linear(torch.zeros(rows, 1024, dtype=torch.bfloat16),
                                  torch.zeros(n, 1024, dtype=torch.bfloat16))
+    tl_.W_FIRST_SPLIT_K = True  # and o_proj's and down_proj's (W_FIRST_SPLIT_K)
+    for rows in (16, 64):
+        for k in (2048, 3072):
+            tl_.split_k_linear(torch.zeros(rows, k, dtype=torch.bfloat16),
+                               torch.zeros(1024, k, dtype=torch.bfloat16))
     return calls
 
 

@@ -207,3 +207,69 @@ def test_gpu_engine_with_small_gemms_matches_transformers(tiny_model, hf_tiny_mo
     prompts = make_prompts(seed=5, count=6)
     out = [o.token_ids for o in llm.generate(prompts, greedy(8), use_tqdm=False)]
     assert out == [hf_greedy(hf_tiny_model, p, 8) for p in prompts]
+
+
+@pytest.fixture
+def w_first_split_k(monkeypatch):
+    # triton_linear.W_FIRST_SPLIT_K, with one SM so that the tests' small shapes take it
+    monkeypatch.setattr(linear, "W_FIRST_SPLIT_K", True)
+    monkeypatch.setattr(linear, "_sms", lambda device: 1)
+    launches = []
+    original = linear._launch_w_first
+    monkeypatch.setattr(linear, "_launch_w_first",
+                        lambda *a: (launches.append(a[-2:]), original(*a))[1])
+    return launches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 64])
+def test_w_first_split_k_then_norm_matches_matmul_then_norm(triton_device, rows, dtype,
+                                                             w_first_split_k):
+    # its slice (block_n, k_len) of the most bytes (32 KB) and fewest extra ones: 32 columns
+    # by 256 (fp32) or by 512 (fp16) of K=1,024, so 4 partials or 2
+    splits = check(rows, 1024, 64, dtype, triton_device)
+    assert w_first_split_k == [(32, 256 if dtype == torch.float32 else 512)]
+    assert splits == (4 if dtype == torch.float32 else 2)
+
+
+def test_w_first_split_k_leaves_more_rows_to_the_split_k_kernel(w_first_split_k):
+    x, w = torch.randn(65, 256), torch.randn(128, 256)
+    assert linear._w_first_split(x, w) is None
+    linear.split_k_linear(x, w)  # (one SM: too few tiles to split, the plain matmul)
+    assert not w_first_split_k
+
+
+def test_engine_with_w_first_projections_matches_transformers(tiny_model, hf_tiny_model,
+                                                              triton_interpreter, small_gemms,
+                                                              w_first_split_k):
+    # every projection of a layer by the w-first kernel (qkv and gate_up with "w-first")
+    llm = LLM(str(tiny_model), split_k=True, **ENGINE)
+    prompts = make_prompts(seed=5, count=3)
+    out = [o.token_ids for o in llm.generate(prompts, greedy(5), use_tqdm=False)]
+    assert w_first_split_k, "no split-K projection ran w-first"
+    assert out == [hf_greedy(hf_tiny_model, p, 5) for p in prompts]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 40, 64])
+@pytest.mark.parametrize("k,n", [(2048, 1024), (3072, 1024)])
+def test_gpu_w_first_split_k_at_model_shapes(rows, k, n, monkeypatch):
+    # Qwen3-0.6B's o_proj and down_proj, bf16, the H200's (or this GPU's) SM count
+    monkeypatch.setattr(linear, "W_FIRST_SPLIT_K", True)
+    x = randn(rows, k, device="cuda", dtype=torch.bfloat16, seed=1)
+    w = randn(n, k, device="cuda", dtype=torch.bfloat16, seed=2, scale=k ** -0.5)
+    got = linear._w_first_split(x, w)
+    assert got is not None
+    atol, rtol = TOL[torch.bfloat16]
+    torch.testing.assert_close(got.sum().float(), F.linear(x, w).float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_with_w_first_projections_matches_transformers(tiny_model, hf_tiny_model,
+                                                                  small_gemms, w_first_split_k):
+    llm = LLM(str(tiny_model), device="cuda", dtype="float32", max_model_len=256,
+              kv_cache_gib=1)
+    prompts = make_prompts(seed=5, count=6)
+    out = [o.token_ids for o in llm.generate(prompts, greedy(8), use_tqdm=False)]
+    assert w_first_split_k
+    assert out == [hf_greedy(hf_tiny_model, p, 8) for p in prompts]
