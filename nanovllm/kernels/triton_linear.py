@@ -107,15 +107,23 @@ def _sms(device: torch.device) -> int:
     return _num_sms(device)
 
 
+def _shape(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
+    """(M, N, K) of x [M, K] @ weight [N, K]^T; a ValueError where x's width is not K."""
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x of {x.shape[1]} columns for a weight of {weight.shape[1]} inputs")
+    return x.shape[0], weight.shape[0], weight.shape[1]
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 def _tile(x: torch.Tensor, weight: torch.Tensor, table, narrow_k: bool = False):
     """(m, n, k, tile) of x [M, K] @ weight [N, K]^T at the first tile of `table` (rows ->
     (block_m, block_n, block_k, stages)) taking M rows, or None where none does, there are
     no rows, a row is strided, or N and K do not divide into it (with `narrow_k`, block_k
     halves down to 16 until K does)."""
-    m, k = x.shape[0], weight.shape[1]
-    if x.shape[1] != k:
-        raise ValueError(f"x of {x.shape[1]} columns for a weight of {k} inputs")
-    n = weight.shape[0]
+    m, n, k = _shape(x, weight)
     tile = next((t for rows, t in table if m <= rows), None)
     if tile is None or m == 0 or x.stride(1) != 1 or weight.stride(1) != 1:
         return None
@@ -131,8 +139,7 @@ def _launch(x, weight, out, m, n, k, tile, splits: int) -> None:
     block_m, block_n, block_k, stages = tile
     _split_k_kernel[(triton.cdiv(m, block_m), n // block_n, splits)](
         x, weight, out, m, n, k, k // splits, x.stride(0), weight.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(x),
         num_warps=4, num_stages=stages, **pdl_launch(x))
 
 
@@ -162,8 +169,8 @@ def _w_first_kernel(x_ptr, w_ptr, out_ptr, M, stride_x, stride_w, K_LEN: tl.cons
 def _launch_w_first(x, weight, out, m, n, block_n: int, k_len: int) -> None:
     _w_first_kernel[(n // block_n, weight.shape[1] // k_len)](
         x, weight, out, m, x.stride(0), weight.stride(0), K_LEN=k_len, BLOCK_M=16,
-        BLOCK_N=block_n, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=1, **pdl_launch(x))  # 1-4 row tiles: no pipelining
+        BLOCK_N=block_n, PRECISION=_precision(x), num_warps=4, num_stages=1,
+        **pdl_launch(x))  # 1-4 row tiles: no pipelining
 
 
 def _w_first_split(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
@@ -172,7 +179,7 @@ def _w_first_split(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
     for three quarters of the SMs or more, that moves the fewest extra bytes: the rows reread
     by each of N / block_n programs, the K / k_len fp32 partials written and summed. None
     above W_FIRST_ROWS rows, or where no slice divides the weight."""
-    m, (n, k) = x.shape[0], weight.shape
+    m, n, k = _shape(x, weight)
     if not 0 < m <= W_FIRST_ROWS or x.stride(1) != 1 or weight.stride(1) != 1:
         return None
     size = x.element_size()
@@ -195,13 +202,8 @@ def _w_first_split(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
     """x [M, K] @ weight [N, K]^T as S partial products, S chosen to fill the GPU's SMs; None
     where a split does not pay or the shapes do not divide into the tiles."""
-    if W_FIRST_SPLIT_K:
-        if x.shape[1] != weight.shape[1]:
-            raise ValueError(f"x of {x.shape[1]} columns for a weight of {weight.shape[1]} "
-                             f"inputs")
-        parts = _w_first_split(x, weight)
-        if parts is not None:
-            return parts
+    if W_FIRST_SPLIT_K and (parts := _w_first_split(x, weight)) is not None:
+        return parts
     shapes = _tile(x, weight, TILES)
     if shapes is None:
         return None
