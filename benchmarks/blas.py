@@ -15,8 +15,8 @@ The settings come from the environment, so compare them one process each, e.g.:
 
 `--chain`: instead, a layer's RMSNorm -> projection -> SiLU (the engine's Triton norm and SiLU,
 under PDL) for qkv and gate_up, 28 layers in one graph, the projection by cuBLAS against
-triton_linear.small_linear (SMALL_GEMMS) both ways, and with `--sweep` over the pipelined
-kernel's tiles: does a projection that chains under PDL with its neighbours pay, and how?
+triton_linear.small_linear (SMALL_GEMMS), and with `--sweep` over its tiles: does a
+projection that chains under PDL with its neighbours pay, and at which tiles?
 
 `--triton`: also triton_linear's GEMM kernel unsplit (one program per output tile, the whole
 contraction each) over a sweep of tiles, at qkv's and gate_up's shapes, each row count's
@@ -109,9 +109,9 @@ def chains(row_counts, sweep: bool, device: str = "cuda") -> None:
     weights = {name: [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
                       for _ in range(LAYERS)] for name, k, n in SHAPES[::2]}
     norm_w = torch.ones(1024, device=dev, dtype=torch.bfloat16)
-    defaults, w_first_rows = triton_linear.SMALL_TILES, triton_linear.W_FIRST_ROWS
+    defaults = triton_linear.SMALL_TILES
     print("us a layer: RMSNorm (residual add) -> projection -> SiLU, the projection by cuBLAS "
-          "and by small_linear (SMALL_GEMMS 'pipelined' at its default tiles, and 'w-first')")
+          "and by small_linear (SMALL_GEMMS, at its default tiles)")
     for rows in row_counts:
         h = torch.randn(rows, 1024, device=dev, dtype=torch.bfloat16)
         res = torch.zeros(rows, 1024, device=dev, dtype=torch.bfloat16)
@@ -125,29 +125,26 @@ def chains(row_counts, sweep: bool, device: str = "cuda") -> None:
                     assert y is not None, "small_linear declined the shape"
                     triton_ops.silu_and_mul(y)
 
-            def small(mode, tiles=tiles, rows=rows):
-                # above the engine's row limits (SMALL_TILES, W_FIRST_ROWS) as well
-                triton_linear.SMALL_GEMMS, triton_linear.SMALL_TILES = mode, tiles
-                triton_linear.W_FIRST_ROWS = max(rows, w_first_rows)
+            def small(tiles=tiles):
+                # above the engine's row limit (SMALL_TILES) as well
+                switch = triton_linear.SMALL_GEMMS
+                triton_linear.SMALL_GEMMS, triton_linear.SMALL_TILES = True, tiles
                 try:
                     return graph_time(lambda: run(triton_linear.small_linear)) / LAYERS
                 finally:
-                    triton_linear.SMALL_GEMMS, triton_linear.SMALL_TILES = False, defaults
-                    triton_linear.W_FIRST_ROWS = w_first_rows
+                    triton_linear.SMALL_GEMMS, triton_linear.SMALL_TILES = switch, defaults
 
             cublas = graph_time(lambda: run(F.linear)) / LAYERS
-            pipelined = small("pipelined")
-            w_first = small("w-first")
-            line = (f"{name:>8} {rows:>4} rows: cuBLAS {cublas:6.2f}, pipelined {pipelined:6.2f} "
-                    f"({cublas / pipelined:.2f}x), w-first {w_first:6.2f} "
-                    f"({cublas / w_first:.2f}x)")
-            if sweep:  # the pipelined kernel's tiles at this row count
+            triton = small()
+            line = (f"{name:>8} {rows:>4} rows: cuBLAS {cublas:6.2f}, small_linear {triton:6.2f} "
+                    f"({cublas / triton:.2f}x)")
+            if sweep:  # small_linear's tiles at this row count
                 bm = min(64, max(16, 1 << (rows - 1).bit_length()))
                 swept = []
                 for bn, bk, stages in itertools.product((16, 32, 64), (64, 128, 256), (3, 4)):
                     tile = (bm, bn, bk, stages)
                     try:
-                        swept.append((small("pipelined", ((rows, tile),)), tile))
+                        swept.append((small(((rows, tile),)), tile))
                     except Exception as e:  # out of shared memory, say
                         print(f"  {name} {rows} {tile}: {type(e).__name__}")
                 swept.sort()

@@ -52,20 +52,10 @@ SWITCHES = {
         "greedy / temperature rows sampled by triton_sampling's Gumbel race (a uniform and two "
         "logarithms a token), not by the inverse CDF (triton_cdf_sampling.INVERSE_CDF off; "
         "before 2026-12-02)"),
-    "--small-gemms": (
-        "nanovllm.kernels.triton_linear", "SMALL_GEMMS", "w-first",
-        "qkv_proj and gate_up_proj at up to 64 rows by a Triton launch under PDL that reads "
-        "its weights before its wait, not cuBLAS (triton_linear.SMALL_GEMMS 'w-first'; "
-        "prepared 2026-12-03, not measured)"),
-    "--small-gemms-pipelined": (
-        "nanovllm.kernels.triton_linear", "SMALL_GEMMS", "pipelined",
-        "the same by the split-K kernel unsplit, its loads after its wait "
-        "(triton_linear.SMALL_GEMMS 'pipelined'; prepared 2026-12-03, not measured)"),
-    "--w-first-split-k": (
-        "nanovllm.kernels.triton_linear", "W_FIRST_SPLIT_K", True,
-        "o_proj and down_proj at up to 64 rows as split-K partials whose programs read their "
-        "weights before their PDL wait (triton_linear.W_FIRST_SPLIT_K on; prepared "
-        "2026-12-03, not measured)"),
+    "--no-small-gemms": (
+        "nanovllm.kernels.triton_linear", "SMALL_GEMMS", False,
+        "qkv_proj and gate_up_proj at up to 64 rows by cuBLAS, not a Triton launch under PDL "
+        "(triton_linear.SMALL_GEMMS off; before 2026-12-03)"),
     "--gc-freeze": (
         "nanovllm.worker.model_runner", "FREEZE_GC_AFTER_SETUP", True,
         "collect and freeze Python's garbage collector after start-up "

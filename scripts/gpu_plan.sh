@@ -58,17 +58,15 @@
 #                                     # fp8 warm-up run; TESTS="pytest paths" runs those GPU
 #                                     # tests first
 #   bash scripts/gpu_plan.sh smallgemm # qkv and gate_up at few rows by Triton under PDL
-#                                     # (triton_linear.SMALL_GEMMS, off), and o / down
-#                                     # reading weights before the wait (W_FIRST_SPLIT_K,
-#                                     # off): their GPU tests
+#                                     # (triton_linear.SMALL_GEMMS, on): their GPU tests
 #                                     # (SKIP_TESTS=1 skips them), blas.py --chain (norm ->
-#                                     # projection -> SiLU, cuBLAS against small_linear both
-#                                     # ways; SWEEP=1: and a tile sweep; SKIP_CHAIN=1 skips
-#                                     # it), a 32-row step's kernels each way (SKIP_PROFILE=1
-#                                     # skips it), then the seed workload, DTYPES (fp8),
-#                                     # defaults against VARIANTS ('|' between flag sets:
-#                                     # --small-gemms, --w-first-split-k, both), alternating,
-#                                     # ROUNDS (2), after a warm-up
+#                                     # projection -> SiLU, cuBLAS against small_linear;
+#                                     # SWEEP=1: and a tile sweep; SKIP_CHAIN=1 skips it), a
+#                                     # 32-row step's kernels each way (SKIP_PROFILE=1 skips
+#                                     # it), then the seed workload, DTYPES (fp8), defaults
+#                                     # against VARIANTS ('|' between flag sets:
+#                                     # --no-small-gemms), alternating, ROUNDS (2), after a
+#                                     # warm-up
 #   bash scripts/gpu_plan.sh fp8splits # the fp8 decode's KV splits at small batches
 #                                     # (attention.py --fp8-splits), then the seed workload,
 #                                     # fp8, defaults against --decode-programs-per-sm PER_SM
@@ -502,7 +500,7 @@ case "$stage" in
       offline rounds.log "round $round fp8" fp8
       offline rounds.log "round $round bf16" auto
     done ;;
-  smallgemm)  # triton_linear.SMALL_GEMMS and W_FIRST_SPLIT_K (prepared, off)
+  smallgemm)  # triton_linear.SMALL_GEMMS (on)
     if [ -z "${SKIP_TESTS:-}" ]; then
       timeout "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -x \
         tests/model/test_triton_linear.py tests/model/test_fused_ops.py 2>&1 | tail -2 \
@@ -514,7 +512,7 @@ case "$stage" in
         ${SWEEP:+--sweep} 2>&1 | tee "$OUT/smallgemm_chain.log" | tail -12
     fi
     if [ -z "${SKIP_PROFILE:-}" ]; then  # a 32-row decode step's kernels, each way
-      for flags in "" "--small-gemms --w-first-split-k"; do
+      for flags in "" "--no-small-gemms"; do
         # shellcheck disable=SC2086
         timeout 100 python3 -m benchmarks.profile_step --kv-cache-dtype fp8 --num-seqs 32 \
           $flags 2>&1 | grep -E "kernel|nvjet|Self CUDA" | sed "s/^/${flags:-defaults}: /" \
@@ -522,8 +520,7 @@ case "$stage" in
       done
     fi
     # the flag sets against the defaults, '|' between them
-    IFS='|' read -r -a flag_sets <<< \
-      "${VARIANTS:---small-gemms|--w-first-split-k|--small-gemms --w-first-split-k}"
+    IFS='|' read -r -a flag_sets <<< "${VARIANTS:---no-small-gemms}"
     for dtype in ${DTYPES:-fp8}; do
       offline smallgemm.log "warm-up $dtype, not counted" "$dtype"
       for round in $(seq "${ROUNDS:-2}"); do

@@ -54,7 +54,7 @@ class Kernels:
     # Attention passes each step's K/V to paged_attention as `fresh` (FRESH_PREFILL)
     fresh_prefill: bool = False
     # qkv_proj and gate_up_proj at few rows by a Triton launch (triton_linear.small_linear,
-    # bound with split_k; it returns None, the plain matmul, while SMALL_GEMMS is off)
+    # bound with split_k; None from it, the plain matmul: more rows, or SMALL_GEMMS off)
     small_linear: Callable | None = None
 
 

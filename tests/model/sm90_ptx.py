@@ -196,26 +196,17 @@ def record_split_k() -> list:
 
 
 def record_small_gemms() -> list:
-    """small_linear's launches (triton_linear.SMALL_GEMMS, both kernels) at each of its
-    tiles, at Qwen3-0.6B's qkv_proj and gate_up_proj shapes in bf16, and the w-first split-K
-    (W_FIRST_SPLIT_K) at its o_proj and down_proj shapes, as a GPU engine makes them."""
+    """small_linear's launches (triton_linear.SMALL_GEMMS) at each of its tiles, at
+    Qwen3-0.6B's qkv_proj and gate_up_proj shapes in bf16, as a GPU engine makes them."""
     import importlib
 
     tl_ = importlib.reload(importlib.import_module("nanovllm.kernels.triton_linear"))
     calls = []
     tl_._split_k_kernel = Recorder(tl_._split_k_kernel, calls)
-    tl_._w_first_kernel = Recorder(tl_._w_first_kernel, calls)
-    for mode in ("pipelined", "w-first"):
-        tl_.SMALL_GEMMS = mode
-        for rows, _ in tl_.SMALL_TILES:
-            for n in (4096, 6144):
-                tl_.small_linear(torch.zeros(rows, 1024, dtype=torch.bfloat16),
-                                 torch.zeros(n, 1024, dtype=torch.bfloat16))
-    tl_.W_FIRST_SPLIT_K = True  # and o_proj's and down_proj's (W_FIRST_SPLIT_K)
-    for rows in (16, 64):
-        for k in (2048, 3072):
-            tl_.split_k_linear(torch.zeros(rows, k, dtype=torch.bfloat16),
-                               torch.zeros(1024, k, dtype=torch.bfloat16))
+    for rows, _ in tl_.SMALL_TILES:
+        for n in (4096, 6144):
+            tl_.small_linear(torch.zeros(rows, 1024, dtype=torch.bfloat16),
+                             torch.zeros(n, 1024, dtype=torch.bfloat16))
     return calls
 
 
@@ -366,7 +357,7 @@ def main() -> None:
             out["ops"] = {op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))
                           for op in ("mul.hi.u32", "lg2.approx.f32", "cvt.rn.f16x2.e4m3x2",
                                      "griddepcontrol.wait")}
-            # global loads issued before the PDL wait (the w-first GEMM's weights)
+            # global loads issued before the PDL wait (none: a predecessor may write them)
             wait = ptx.find("griddepcontrol.wait")
             out["loads_before_wait"] = len(re.findall(r"ld\.global", ptx[:max(wait, 0)]))
             # fp8 operands on the tensor cores as they are (the experimental decode)

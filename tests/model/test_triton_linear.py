@@ -127,15 +127,9 @@ def test_gpu_split_k_at_model_shapes(rows, k, n, dtype):
     check(rows, k, n, dtype, "cuda")
 
 
-@pytest.fixture(params=["pipelined", "w-first"])
-def small_gemms(request, monkeypatch):
-    monkeypatch.setattr(linear, "SMALL_GEMMS", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 16, 33, 64])
-def test_small_linear_matches_matmul(triton_device, rows, dtype, small_gemms):
+def test_small_linear_matches_matmul(triton_device, rows, dtype):
     # qkv_proj and gate_up_proj at few rows (triton_linear.SMALL_GEMMS): the plain output, in
     # the input's dtype, rounded once from an fp32 accumulator as cuBLAS rounds its own
     x = randn(rows, 256, device=triton_device, dtype=dtype, seed=1)
@@ -146,10 +140,10 @@ def test_small_linear_matches_matmul(triton_device, rows, dtype, small_gemms):
     torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), atol=atol, rtol=rtol)
 
 
-def test_small_linear_is_off_unless_switched_on_and_declines_what_it_does_not_take(
-        monkeypatch):
+def test_small_linear_declines_what_it_does_not_take_and_turns_off(monkeypatch):
     x, w = torch.randn(4, 256), torch.randn(64, 256)
-    assert linear.small_linear(x, w) is None, "prepared, off: the plain matmul"
+    monkeypatch.setattr(linear, "SMALL_GEMMS", False)
+    assert linear.small_linear(x, w) is None, "switched off: the plain matmul"
     monkeypatch.setattr(linear, "SMALL_GEMMS", True)
     # more rows than its tiles; N off its tile; K off every tile; no rows
     for rows, k, n in ((65, 256, 64), (4, 256, 48), (4, 24, 64), (0, 256, 64)):
@@ -158,11 +152,10 @@ def test_small_linear_is_off_unless_switched_on_and_declines_what_it_does_not_ta
         linear.small_linear(torch.randn(4, 512), w)
 
 
-def test_engine_with_small_gemms_matches_transformers(tiny_model, hf_tiny_model,
-                                                      triton_interpreter, small_gemms,
-                                                      monkeypatch):
-    # qkv_proj and gate_up_proj by small_linear (K=64 of the tiny models), o_proj and
-    # down_proj split-K where they split: the whole layer in Triton launches
+@pytest.fixture
+def small_linear_calls(monkeypatch):
+    """How many projections small_linear took (a list of one count), for engines built
+    after it: their Kernels bind the counting function."""
     ran = [0]
     original = linear.small_linear
 
@@ -172,14 +165,19 @@ def test_engine_with_small_gemms_matches_transformers(tiny_model, hf_tiny_model,
         return y
 
     monkeypatch.setattr(linear, "small_linear", counted)
-    select_kernels.cache_clear()  # the engine's Kernels bind the counted function
-    try:
-        llm = LLM(str(tiny_model), split_k=True, **ENGINE)
-        prompts = make_prompts(seed=5, count=3)
-        out = [o.token_ids for o in llm.generate(prompts, greedy(5), use_tqdm=False)]
-    finally:
-        select_kernels.cache_clear()
-    assert ran[0] > 0, "no projection ran as small_linear"
+    select_kernels.cache_clear()
+    yield ran
+    select_kernels.cache_clear()
+
+
+def test_engine_with_small_gemms_matches_transformers(tiny_model, hf_tiny_model,
+                                                      triton_interpreter, small_linear_calls):
+    # qkv_proj and gate_up_proj by small_linear (K=64 of the tiny models), o_proj and
+    # down_proj split-K where they split: the whole layer in Triton launches
+    llm = LLM(str(tiny_model), split_k=True, **ENGINE)
+    prompts = make_prompts(seed=5, count=3)
+    out = [o.token_ids for o in llm.generate(prompts, greedy(5), use_tqdm=False)]
+    assert small_linear_calls[0] > 0, "no projection ran as small_linear"
     assert out == [hf_greedy(hf_tiny_model, p, 5) for p in prompts]
 
 
@@ -187,7 +185,7 @@ def test_engine_with_small_gemms_matches_transformers(tiny_model, hf_tiny_model,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 16, 40, 64])
 @pytest.mark.parametrize("k,n", [(1024, 4096), (1024, 6144), (4096, 6144), (4096, 24576)])
-def test_gpu_small_linear_at_model_shapes(rows, k, n, dtype, small_gemms):
+def test_gpu_small_linear_at_model_shapes(rows, k, n, dtype):
     # Qwen3-0.6B's and 8B's qkv_proj and gate_up_proj
     x = randn(rows, k, device="cuda", dtype=dtype, seed=1)
     w = randn(n, k, device="cuda", dtype=dtype, seed=2, scale=k ** -0.5)
@@ -199,77 +197,12 @@ def test_gpu_small_linear_at_model_shapes(rows, k, n, dtype, small_gemms):
 
 @pytest.mark.gpu
 def test_gpu_engine_with_small_gemms_matches_transformers(tiny_model, hf_tiny_model,
-                                                          small_gemms):
-    # through CUDA graphs (the decode steps' projections) and PDL
+                                                          small_linear_calls):
+    # the defaults on a GPU: through CUDA graphs (the decode steps' projections) and PDL
     llm = LLM(str(tiny_model), device="cuda", dtype="float32", max_model_len=256,
               kv_cache_gib=1)
     assert llm.engine.config.split_k
     prompts = make_prompts(seed=5, count=6)
     out = [o.token_ids for o in llm.generate(prompts, greedy(8), use_tqdm=False)]
-    assert out == [hf_greedy(hf_tiny_model, p, 8) for p in prompts]
-
-
-@pytest.fixture
-def w_first_split_k(monkeypatch):
-    # triton_linear.W_FIRST_SPLIT_K, with one SM so that the tests' small shapes take it
-    monkeypatch.setattr(linear, "W_FIRST_SPLIT_K", True)
-    monkeypatch.setattr(linear, "_sms", lambda device: 1)
-    launches = []
-    original = linear._launch_w_first
-    monkeypatch.setattr(linear, "_launch_w_first",
-                        lambda *a: (launches.append(a[-2:]), original(*a))[1])
-    return launches
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows", [1, 5, 16, 33, 64])
-def test_w_first_split_k_then_norm_matches_matmul_then_norm(triton_device, rows, dtype,
-                                                             w_first_split_k):
-    # its slice (block_n, k_len) of the most bytes (32 KB) and fewest extra ones: 32 columns
-    # by 256 (fp32) or by 512 (fp16) of K=1,024, so 4 partials or 2
-    splits = check(rows, 1024, 64, dtype, triton_device)
-    assert w_first_split_k == [(32, 256 if dtype == torch.float32 else 512)]
-    assert splits == (4 if dtype == torch.float32 else 2)
-
-
-def test_w_first_split_k_leaves_more_rows_to_the_split_k_kernel(w_first_split_k):
-    x, w = torch.randn(65, 256), torch.randn(128, 256)
-    assert linear._w_first_split(x, w) is None
-    linear.split_k_linear(x, w)  # (one SM: too few tiles to split, the plain matmul)
-    assert not w_first_split_k
-
-
-def test_engine_with_w_first_projections_matches_transformers(tiny_model, hf_tiny_model,
-                                                              triton_interpreter, small_gemms,
-                                                              w_first_split_k):
-    # every projection of a layer by the w-first kernel (qkv and gate_up with "w-first")
-    llm = LLM(str(tiny_model), split_k=True, **ENGINE)
-    prompts = make_prompts(seed=5, count=3)
-    out = [o.token_ids for o in llm.generate(prompts, greedy(5), use_tqdm=False)]
-    assert w_first_split_k, "no split-K projection ran w-first"
-    assert out == [hf_greedy(hf_tiny_model, p, 5) for p in prompts]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 16, 40, 64])
-@pytest.mark.parametrize("k,n", [(2048, 1024), (3072, 1024)])
-def test_gpu_w_first_split_k_at_model_shapes(rows, k, n, monkeypatch):
-    # Qwen3-0.6B's o_proj and down_proj, bf16, the H200's (or this GPU's) SM count
-    monkeypatch.setattr(linear, "W_FIRST_SPLIT_K", True)
-    x = randn(rows, k, device="cuda", dtype=torch.bfloat16, seed=1)
-    w = randn(n, k, device="cuda", dtype=torch.bfloat16, seed=2, scale=k ** -0.5)
-    got = linear._w_first_split(x, w)
-    assert got is not None
-    atol, rtol = TOL[torch.bfloat16]
-    torch.testing.assert_close(got.sum().float(), F.linear(x, w).float(), atol=atol, rtol=rtol)
-
-
-@pytest.mark.gpu
-def test_gpu_engine_with_w_first_projections_matches_transformers(tiny_model, hf_tiny_model,
-                                                                  small_gemms, w_first_split_k):
-    llm = LLM(str(tiny_model), device="cuda", dtype="float32", max_model_len=256,
-              kv_cache_gib=1)
-    prompts = make_prompts(seed=5, count=6)
-    out = [o.token_ids for o in llm.generate(prompts, greedy(8), use_tqdm=False)]
-    assert w_first_split_k
+    assert small_linear_calls[0] > 0, "no projection ran as small_linear"
     assert out == [hf_greedy(hf_tiny_model, p, 8) for p in prompts]

@@ -112,7 +112,7 @@ def test_attention_kernels_compile_for_sm90_with_vector_loads():
 
 
 PDL_KERNELS = ("_store_kv_kernel", "_rope_store_kernel", "_decode_kernel", "_reduce_kernel",
-               "_rank_kernel", "_split_k_kernel", "_w_first_kernel")
+               "_rank_kernel", "_split_k_kernel")
 
 
 def test_kernels_compile_as_programmatic_dependent_launches():
@@ -130,12 +130,10 @@ def test_kernels_compile_as_programmatic_dependent_launches():
              if r["kernel"] in PDL_KERNELS and "error" not in r}
     assert set(waits) == set(PDL_KERNELS), [r for r in results if "error" in r]
     assert all(n >= 1 for n in waits.values()), waits
-    # nothing is read before the wait, but the w-first GEMM's weights (no kernel's output):
-    # its program's slice, 16 columns of 1,024 bf16 in 16-byte loads
+    # nothing is read before the wait (the kernel before may be writing it)
     for r in results:
         if r["kernel"] in PDL_KERNELS and "error" not in r:
-            want = 16 * 1024 * 2 // 16 // 128 if r["kernel"] == "_w_first_kernel" else 0
-            assert r["loads_before_wait"] == want, (r["kernel"], r["case"], r["loads"])
+            assert r["loads_before_wait"] == 0, (r["kernel"], r["case"], r["loads"])
 
 
 def test_pdl_is_never_taken_off_a_gpu(monkeypatch):
