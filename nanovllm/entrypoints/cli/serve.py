@@ -53,6 +53,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    "each talking to every engine process, for when one front end's core "
                    "cannot stream what the engines generate (default: 2 when the engines "
                    "run on a GPU, 1 on a CPU)")
+    g.add_argument("--drain-timeout", type=float, metavar="SECONDS", default=5.0,
+                   help="on a stop (SIGTERM, Ctrl-C), how long requests in flight may run "
+                   "on before they are cancelled (default 5); new connections are refused "
+                   "meanwhile")
     g.add_argument("--log-interval", type=float, metavar="SECONDS", default=10.0,
                    help="time between the engine's status lines")
 
@@ -89,7 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = ServerSettings(
         args.host, args.port, args.api_key, args.served_model_name, args.max_request_bytes,
         args.protect_metrics, args.data_parallel_size, args.api_server_count,
-        args.log_requests,
+        args.log_requests, args.drain_timeout,
     )
     try:
         return run_server(engine, server)

@@ -44,6 +44,9 @@ class ServerSettings:
     data_parallel_size: int = 1  # engine processes behind this front end (replicas.py)
     api_server_count: int = 1  # front-end processes sharing the port (see run_server)
     log_requests: bool = True  # a line per finished request
+    # seconds a stop (SIGTERM, Ctrl-C) lets the requests in flight finish before it cancels
+    # them (uvicorn's graceful shutdown; --drain-timeout)
+    drain_timeout: float = 5.0
 
 
 def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
@@ -68,6 +71,9 @@ def _serve(engine: EngineProcessConfig, server: ServerSettings,
     if server.api_server_count < 1:
         raise ConfigError(f"--api-server-count {server.api_server_count} is invalid; "
                           "use 1 or more front-end processes")
+    if not server.drain_timeout >= 0:
+        raise ConfigError(f"--drain-timeout {server.drain_timeout} is invalid; use 0 or more "
+                          "seconds")
     if server.api_server_count > 1 and not os.environ.get(MULTIPROC_ENV):
         raise ConfigError(f"--api-server-count needs {MULTIPROC_ENV} set before the "
                           "metrics are imported (`nanovllm serve` sets it)")
@@ -115,7 +121,7 @@ def _serve(engine: EngineProcessConfig, server: ServerSettings,
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: a clean stop
             pass
     finally:
-        stop_front_ends(front_ends)
+        stop_front_ends(front_ends, server.drain_timeout + 5)
         if client is not None:
             client.shutdown()
     if died:
@@ -170,13 +176,13 @@ def http_server(app, server: ServerSettings, front_ends: list | None = None):
         async def shutdown(self, sockets=None) -> None:
             await super().shutdown(sockets)
             if front_ends:
-                await asyncio.to_thread(stop_front_ends, front_ends)
+                await asyncio.to_thread(stop_front_ends, front_ends, server.drain_timeout + 5)
                 remove_metrics_dir()  # here: a stop by signal skips `nanovllm serve`'s own
 
     # per-request log lines replace uvicorn's access log
     return Server(uvicorn.Config(
         app, host=server.host, port=server.port, access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=server.drain_timeout,
     ))  # fmt: skip
 
 
