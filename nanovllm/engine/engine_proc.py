@@ -102,8 +102,10 @@ def run_engine_loop(conns: list[Connection], config: EngineProcessConfig) -> Non
     sampler = stack_sampler.from_env(".engine")  # NANOVLLM_SAMPLE_STACKS: where time goes
     try:
         loop.run()
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
-        pass  # a front end is gone: the server is stopping or broken, nothing to serve
+    except (EOFError, ConnectionError, KeyboardInterrupt):
+        # a front end is gone: the server is stopping or broken, nothing to serve (its pipe
+        # reads EOF, or ECONNRESET where it left replies unread; writes: EPIPE)
+        pass
     finally:
         if sampler is not None:
             sampler.stop()

@@ -298,3 +298,27 @@ def test_every_front_end_hears_the_engines_load(tiny_llama):
         if proc.is_alive():
             proc.kill()
 
+
+
+def test_a_front_end_gone_with_replies_unread_ends_the_engine_quietly(tiny_llama, capfd):
+    """A front end that exits with the engine's replies still unread in its pipe (a stop
+    that cancelled a stream at --drain-timeout) resets the pipe: the engine's next read or
+    write gets ECONNRESET, not EOF, and it ends as for EOF, with status 0 and no traceback."""
+    config = EngineProcessConfig(str(tiny_llama), EngineConfig(**ENGINE), None)
+    proc, (conn,) = start_engine(config)
+    try:
+        assert conn.poll(120), "engine did not start"
+        assert isinstance(conn.recv(), Ready)
+        conn.send(AddRequest("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=400,
+                                                            ignore_eos=True), stream=True))
+        while not isinstance(conn.recv(), Outputs):  # streaming; then read nothing more
+            pass
+        time.sleep(0.5)  # more replies wait unread
+        conn.close()
+        proc.join(30)
+        assert proc.exitcode == 0, proc.exitcode
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
