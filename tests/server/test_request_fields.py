@@ -78,7 +78,7 @@ def test_priority_and_timeout_reach_the_engine_request(kind):
 
     model, base = REQUESTS[kind]
     req = model(**base, priority=-3, timeout=2.5)
-    server = SimpleNamespace(client=Client())
+    server = SimpleNamespace(client=Client(), open=set())
     asyncio.run(Generation(server, "test", req, req.sampling_params(), [[1, 2, 3]]).start())
     assert [(a.priority, a.timeout) for a in sent] == [(-3, 2.5)]
 

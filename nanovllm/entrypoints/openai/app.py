@@ -63,6 +63,10 @@ def build_app(client: ReplicaSet, tokenizer: Tokenizer, config: ServerConfig) ->
     async def lifespan(app: FastAPI):
         client.attach()
         yield
+        # a stop's drain timed out: uvicorn cancelled the responses still running, but may
+        # end before their cancellation lands; each is aborted and logged here
+        for gen in list(server.open):
+            gen.close()
 
     app = FastAPI(title="nano-vLLM", lifespan=lifespan)
     app.state.server = server

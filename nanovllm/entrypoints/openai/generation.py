@@ -79,6 +79,7 @@ class Generation:
     async def start(self) -> None:
         """Add every prompt to the engine; on a rejection, abort those already added."""
         r = self.req
+        self.server.open.add(self)
         try:
             for sub, ids in zip(self.subs.values(), self.prompts):
                 # not streamed: the engine sends one Delta per completion, at its end
@@ -178,6 +179,7 @@ class Generation:
         if self.closed:
             return
         self.closed = True
+        self.server.open.discard(self)
         for sub in self.subs.values():
             unfinished = sub.sent and sub.left > 0
             # an abort queued behind its own add (the pipe keeps order) ends it even when the

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 
 from nanovllm.entrypoints.openai.errors import api_error
 from nanovllm.entrypoints.openai.generation import Generation
@@ -21,10 +20,7 @@ async def respond(request: Request, gen: Generation, shape: ResponseShape) -> Re
     """Start `gen` in the engine and answer with its stream or its collected body."""
     await gen.start()
     if gen.req.stream:
-        # the background task also runs when the client leaves before the first chunk
-        events = sse_events(gen, shape)
-        close = BackgroundTask(gen.close)
-        return StreamingResponse(events, media_type="text/event-stream", background=close)
+        return ClosingStream(sse_events(gen, shape), gen)
     collect = asyncio.ensure_future(gen.collect())
     gone = asyncio.ensure_future(_until_disconnected(request))
     try:
@@ -42,6 +38,23 @@ async def respond(request: Request, gen: Generation, shape: ResponseShape) -> Re
         for i, c in enumerate(gen.choices)
     ]
     return JSONResponse({**gen.header(shape.obj), "choices": choices, "usage": gen.usage()})
+
+
+class ClosingStream(StreamingResponse):
+    """A Generation's event stream that closes it however the response ends: streamed to
+    its end, the client gone (before the first chunk too), or the response's task cancelled
+    (a stop's drain timing out), which skips a background task: what has not finished is
+    aborted in the engine and logged."""
+
+    def __init__(self, events: AsyncIterator[str], gen: Generation) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.close()
 
 
 async def sse_events(gen: Generation, shape: ResponseShape) -> AsyncIterator[str]:

@@ -66,6 +66,9 @@ class Server:
         self.vocab_size: int = client.info.vocab_size
         self.metrics = Metrics(self.model_name)
         self.created = int(time.time())
+        # the Generations started and not yet closed (generation.py): a stop whose drain
+        # timed out cancels their responses, and the app's shutdown closes what is left
+        self.open: set = set()
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` (when given) is the one served."""
