@@ -42,6 +42,9 @@ MAX_SPLITS = 8
 SMALL_GEMMS = True
 # rows -> (block_m, block_n, block_k, stages) of small_linear, whole contraction a program
 SMALL_TILES = ((16, (16, 32, 128, 4)), (64, (64, 32, 128, 3)))
+# the longest contraction it takes: measured at Qwen3-0.6B's 1,024 only; a program reads its
+# columns' whole contraction, so a larger model's (8B: 4,096) keeps cuBLAS until measured
+SMALL_MAX_K = 1024
 
 
 @dataclass(frozen=True)
@@ -147,8 +150,10 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
 def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] @ weight [N, K]^T in x's dtype by one launch of _split_k_kernel unsplit, for
     steps of few rows (SMALL_GEMMS); None where the switch is off, M is above SMALL_TILES'
-    last row count, or the shapes do not divide into its tile."""
-    shapes = _tile(x, weight, SMALL_TILES, narrow_k=True) if SMALL_GEMMS else None
+    last row count, K above SMALL_MAX_K, or the shapes do not divide into its tile."""
+    shapes = None
+    if SMALL_GEMMS and weight.shape[1] <= SMALL_MAX_K:
+        shapes = _tile(x, weight, SMALL_TILES, narrow_k=True)
     if shapes is None:
         return None
     m, n, k, tile = shapes

@@ -145,8 +145,9 @@ def test_small_linear_declines_what_it_does_not_take_and_turns_off(monkeypatch):
     monkeypatch.setattr(linear, "SMALL_GEMMS", False)
     assert linear.small_linear(x, w) is None, "switched off: the plain matmul"
     monkeypatch.setattr(linear, "SMALL_GEMMS", True)
-    # more rows than its tiles; N off its tile; K off every tile; no rows
-    for rows, k, n in ((65, 256, 64), (4, 256, 48), (4, 24, 64), (0, 256, 64)):
+    # more rows than its tiles; N off its tile; K off every tile; no rows; K above
+    # SMALL_MAX_K (Qwen3-8B's 4,096: not measured)
+    for rows, k, n in ((65, 256, 64), (4, 256, 48), (4, 24, 64), (0, 256, 64), (4, 4096, 64)):
         assert linear.small_linear(torch.randn(rows, k), torch.randn(n, k)) is None
     with pytest.raises(ValueError, match="512 columns for a weight of 256 inputs"):
         linear.small_linear(torch.randn(4, 512), w)
@@ -185,8 +186,9 @@ def test_engine_with_small_gemms_matches_transformers(tiny_model, hf_tiny_model,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 16, 40, 64])
 @pytest.mark.parametrize("k,n", [(1024, 4096), (1024, 6144), (4096, 6144), (4096, 24576)])
-def test_gpu_small_linear_at_model_shapes(rows, k, n, dtype):
-    # Qwen3-0.6B's and 8B's qkv_proj and gate_up_proj
+def test_gpu_small_linear_at_model_shapes(rows, k, n, dtype, monkeypatch):
+    # Qwen3-0.6B's and 8B's qkv_proj and gate_up_proj (8B's above SMALL_MAX_K: lifted)
+    monkeypatch.setattr(linear, "SMALL_MAX_K", 4096)
     x = randn(rows, k, device="cuda", dtype=dtype, seed=1)
     w = randn(n, k, device="cuda", dtype=dtype, seed=2, scale=k ** -0.5)
     y = linear.small_linear(x, w)
