@@ -55,8 +55,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    "run on a GPU, 1 on a CPU)")
     g.add_argument("--drain-timeout", type=float, metavar="SECONDS", default=5.0,
                    help="on a stop (SIGTERM, Ctrl-C), how long requests in flight may run "
-                   "on before they are cancelled (default 5); new connections are refused "
-                   "meanwhile")
+                   "on before they are cancelled; new connections are refused meanwhile")
     g.add_argument("--log-interval", type=float, metavar="SECONDS", default=10.0,
                    help="time between the engine's status lines")
 
