@@ -95,19 +95,15 @@ def _sms(device: torch.device) -> int:
     return _num_sms(device)
 
 
-def _shape(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
-    """(M, N, K) of x [M, K] @ weight [N, K]^T; a ValueError where x's width is not K."""
-    if x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x of {x.shape[1]} columns for a weight of {weight.shape[1]} inputs")
-    return x.shape[0], weight.shape[0], weight.shape[1]
-
-
 def _tile(x: torch.Tensor, weight: torch.Tensor, table, narrow_k: bool = False):
     """(m, n, k, tile) of x [M, K] @ weight [N, K]^T at the first tile of `table` (rows ->
     (block_m, block_n, block_k, stages)) taking M rows, or None where none does, there are
     no rows, a row is strided, or N and K do not divide into it (with `narrow_k`, block_k
     halves down to 16 until K does)."""
-    m, n, k = _shape(x, weight)
+    m, k = x.shape[0], weight.shape[1]
+    if x.shape[1] != k:
+        raise ValueError(f"x of {x.shape[1]} columns for a weight of {k} inputs")
+    n = weight.shape[0]
     tile = next((t for rows, t in table if m <= rows), None)
     if tile is None or m == 0 or x.stride(1) != 1 or weight.stride(1) != 1:
         return None
@@ -121,10 +117,10 @@ def _tile(x: torch.Tensor, weight: torch.Tensor, table, narrow_k: bool = False):
 
 def _launch(x, weight, out, m, n, k, tile, splits: int) -> None:
     block_m, block_n, block_k, stages = tile
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     _split_k_kernel[(triton.cdiv(m, block_m), n // block_n, splits)](
         x, weight, out, m, n, k, k // splits, x.stride(0), weight.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=stages, **pdl_launch(x))
 
 
@@ -151,9 +147,9 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] @ weight [N, K]^T in x's dtype by one launch of _split_k_kernel unsplit, for
     steps of few rows (SMALL_GEMMS); None where the switch is off, M is above SMALL_TILES'
     last row count, K above SMALL_MAX_K, or the shapes do not divide into its tile."""
-    shapes = None
-    if SMALL_GEMMS and weight.shape[1] <= SMALL_MAX_K:
-        shapes = _tile(x, weight, SMALL_TILES, narrow_k=True)
+    if not SMALL_GEMMS or weight.shape[1] > SMALL_MAX_K:
+        return None
+    shapes = _tile(x, weight, SMALL_TILES, narrow_k=True)
     if shapes is None:
         return None
     m, n, k, tile = shapes

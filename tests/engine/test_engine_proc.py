@@ -299,7 +299,6 @@ def test_every_front_end_hears_the_engines_load(tiny_llama):
             proc.kill()
 
 
-
 def test_a_front_end_gone_with_replies_unread_ends_the_engine_quietly(tiny_llama, capfd):
     """A front end that exits with the engine's replies still unread in its pipe (a stop
     that cancelled a stream at --drain-timeout) resets the pipe: the engine's next read or

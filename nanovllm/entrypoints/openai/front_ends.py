@@ -107,12 +107,13 @@ def remove_metrics_dir() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def stop_front_ends(procs: list, timeout: float = 10.0) -> None:
+def stop_front_ends(procs: list, drain_timeout: float) -> None:
+    """SIGTERM each (uvicorn's graceful stop); SIGKILL what still runs 5 s past its drain."""
     for p in procs:
         if p.is_alive():
-            p.terminate()  # SIGTERM: uvicorn's graceful stop
+            p.terminate()
     for p in procs:
-        p.join(timeout)
+        p.join(drain_timeout + 5)
         if p.is_alive():
             p.kill()
             p.join()

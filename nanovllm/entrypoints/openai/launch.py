@@ -121,7 +121,7 @@ def _serve(engine: EngineProcessConfig, server: ServerSettings,
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: a clean stop
             pass
     finally:
-        stop_front_ends(front_ends, server.drain_timeout + 5)
+        stop_front_ends(front_ends, server.drain_timeout)
         if client is not None:
             client.shutdown()
     if died:
@@ -176,7 +176,7 @@ def http_server(app, server: ServerSettings, front_ends: list | None = None):
         async def shutdown(self, sockets=None) -> None:
             await super().shutdown(sockets)
             if front_ends:
-                await asyncio.to_thread(stop_front_ends, front_ends, server.drain_timeout + 5)
+                await asyncio.to_thread(stop_front_ends, front_ends, server.drain_timeout)
                 remove_metrics_dir()  # here: a stop by signal skips `nanovllm serve`'s own
 
     # per-request log lines replace uvicorn's access log
