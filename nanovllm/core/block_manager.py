@@ -7,7 +7,11 @@ import xxhash
 from nanovllm.core.host_tier import HostTier
 from nanovllm.core.kv_block import Block
 from nanovllm.core.sequence import Sequence
-from nanovllm.core.trace import BLOCK_EVENTS
+
+# what `BlockManager.events` counts; the step trace's "blocks" (core/step_trace.py) and
+# /metrics report them
+BLOCK_EVENTS = ("allocated", "freed", "hit_device", "hit_host", "swapped_out", "swapped_in",
+                "offloaded")
 
 
 def hash_block(token_ids: list[int], prefix_hash: int) -> int:

@@ -1,5 +1,5 @@
 """The step trace drawn: `render_html` (one self-contained HTML page) and `render_png` (a
-matplotlib summary, optional). Read a trace with nanovllm.core.trace.read_trace; the command
+matplotlib summary, optional). Read a trace with nanovllm.core.step_trace.read_trace; the command
 is `nanovllm trace FILE -o OUT.html [--png OUT.png]`."""
 
 from nanovllm.trace.render import render_html

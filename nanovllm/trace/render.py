@@ -1,4 +1,4 @@
-"""A step trace (nanovllm/core/trace.py) as one self-contained HTML page: inline SVG drawn
+"""A step trace (nanovllm/core/step_trace.py) as one self-contained HTML page: inline SVG drawn
 here, inline CSS, a few lines of inline script (a time cursor shared by the charts); nothing
 is fetched, so the page opens offline and can be mailed around.
 

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanovllm.core.trace import StepTrace
+from nanovllm.core.step_trace import StepTrace
 
 BLOCK = 16
 

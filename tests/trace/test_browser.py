@@ -10,7 +10,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from nanovllm.core.trace import read_trace
+from nanovllm.core.step_trace import read_trace
 from nanovllm.trace import render_html
 from tests.trace.synthetic import simulate
 

@@ -11,7 +11,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from nanovllm.core.trace import StepTrace, read_trace
+from nanovllm.core.step_trace import StepTrace, read_trace
 from nanovllm.entrypoints.cli import main
 from nanovllm.trace import render_html, render_png
 from nanovllm.trace.render import MAX_POINTS
