@@ -2,6 +2,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from nanovllm.core.admission import Admission
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.config import ResolvedConfig
 from nanovllm.core.host_tier import PreemptionCost
@@ -66,19 +67,10 @@ class Scheduler:
     tail), and a waiting sequence that cannot be admitted preempts running sequences of
     strictly worse priority; `prefill_first` keeps the seed's tail-only preemption.
 
-    Admission batching (`fair`, `admission_batch` > 1): while every running sequence is
-    decoding and fewer rows are free than `admission_batch` (or than there are waiting
-    prompts), new prompts wait, up to `admission_max_delay` steps. A step that carries any
-    prefill runs eagerly on the GPU, one of decodes only as a CUDA graph; admitting one
-    prompt per freed row would make nearly every step of a long queue a prefill step.
-
-    Admission headroom (`fair`, admission_headroom > 0): a prompt waits while its whole
-    remaining prompt plus the next admission_headroom tokens of every running sequence do
-    not fit in the free blocks, unless nothing runs or it outranks running work; a burst
-    then queues instead of being admitted and preempted a few steps later.
-
-    One class of ~390 lines: both policies, preemption, priorities and admission act on
-    the same two queues and block tables, and their invariants (tests/core) bind them all.
+    Under `fair`, `Admission` (core/admission.py) also decides when a waiting prompt may
+    join running work (admission batching and headroom); it reads the queues, never moves
+    a sequence. Both policies, preemption and priorities stay one class: they act on the
+    same two queues and block tables, and their invariants (tests/core) bind them all.
     """
 
     def __init__(
@@ -89,15 +81,11 @@ class Scheduler:
         cost: PreemptionCost | None = None,
     ) -> None:
         self.policy = config.scheduling_policy
-        self.admission_headroom = config.admission_headroom
         self.swap = config.swap_space > 0 and config.preemption_mode != "recompute"
         self.preemption_mode = config.preemption_mode
         self.cost = cost
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.admission_batch = config.admission_batch
-        self.admission_max_delay = config.admission_max_delay
-        self._held_steps = 0  # consecutive steps new prompts were held back
         self.max_model_len = config.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = block_manager
@@ -106,9 +94,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0  # of those, by swap
         self.preempted: list[tuple[Sequence, str]] = []  # this step's, with "swap"/"recompute"
-        # admission headroom of the step being scheduled: (worst running priority, blocks
-        # the running sequences still need); None until asked, and after a preemption
-        self._reserve: tuple[int, int] | None = None
+        self.admission = Admission(config, block_manager)
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found there
 
@@ -158,7 +144,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         bm = self.block_manager
-        self._reserve = None  # running changed: _has_headroom sums it again
+        self.admission.recount()
         holds = bm.swap_out(seq) if self._swap_pays(seq) else None
         self.running.remove(seq)
         bm.free(seq)
@@ -262,7 +248,7 @@ class Scheduler:
 
     def _schedule_fair(self) -> ScheduledBatch:
         bm = self.block_manager
-        self._reserve = None
+        self.admission.recount()
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
         preempted = False
@@ -295,7 +281,8 @@ class Scheduler:
                 budget -= n
                 scheduled.append(seq)
 
-        if self.waiting and not preempted and self._hold_admission(scheduled):
+        if (self.waiting and not preempted
+                and self.admission.hold(self.waiting, self.running, scheduled)):
             return ScheduledBatch(scheduled)
         # then new work, in priority and arrival order, while tokens, rows and blocks remain
         while self.waiting and budget and not preempted:
@@ -307,7 +294,7 @@ class Scheduler:
                     s.num_scheduled_tokens for s in scheduled)
                 continue
             self._admit_prefix(seq)
-            if not self._has_headroom(seq):
+            if not self.admission.has_headroom(seq, self.running):
                 self._undo_admit(seq)
                 break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -322,48 +309,11 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            if self._reserve is not None:  # its chunk is allocated: what it still needs
-                worst, reserved = self._reserve
-                self._reserve = (max(worst, seq.priority), reserved + self._growth(seq))
+            self.admission.admitted(seq)
             seq.num_scheduled_tokens = n
             budget -= n
             scheduled.append(seq)
         return ScheduledBatch(scheduled)
-
-    def _hold_admission(self, scheduled: list[Sequence]) -> bool:
-        """Whether this decode-only step should leave the waiting prompts for a later one
-        (see the class docstring). Never when nothing runs, when the step carries prefill
-        already, when no row is free (priority preemption decides then), or when the head
-        of the queue outranks a running sequence."""
-        free = self.max_num_seqs - len(self.running)
-        hold = (
-            self.admission_batch > 1
-            and 0 < free < min(self.admission_batch, len(self.waiting))
-            and self._held_steps < self.admission_max_delay
-            and all(s.num_scheduled_tokens == 1 for s in scheduled)
-            and self.waiting[0].priority >= max(s.priority for s in self.running)
-        )
-        self._held_steps = self._held_steps + 1 if hold else 0
-        return hold
-
-    def _has_headroom(self, seq: Sequence) -> bool:
-        """Whether admitting `seq` leaves its whole prompt and every running sequence's next
-        admission_headroom tokens room in the free blocks (see the class docstring)."""
-        h = self.admission_headroom
-        if not h or not self.running:
-            return True
-        if self._reserve is None:  # once a step (and after a preemption), not per prompt
-            self._reserve = (max(s.priority for s in self.running),
-                             sum(self._growth(s) for s in self.running))
-        worst, reserved = self._reserve
-        if seq.priority < worst:
-            return True
-        return self._growth(seq) + reserved <= self.block_manager.num_free_blocks
-
-    def _growth(self, seq: Sequence) -> int:
-        """Blocks `seq` still needs for its prompt and admission_headroom more tokens."""
-        n = seq.num_tokens - seq.num_computed_tokens + self.admission_headroom
-        return self.block_manager.blocks_needed(seq, n)
 
     def _preempt_for(self, seq: Sequence, scheduled: list[Sequence]) -> bool:
         """Make room for waiting `seq` by preempting one running sequence of strictly worse
