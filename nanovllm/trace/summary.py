@@ -1,8 +1,9 @@
 """A step trace as one PNG of four panels (matplotlib, optional: the `bench` extra): tokens per
 step, queue lengths, KV blocks by tier, and a small request Gantt, all over wall time. The
-figures are the HTML page's (render.py), bucketed the same way."""
+figures are the HTML page's (figures.py), lanes merged at its pixel (render.PLOT)."""
 
-from nanovllm.trace.render import PLOT, lanes, points, totals
+from nanovllm.trace.figures import lanes, points, totals
+from nanovllm.trace.render import PLOT
 
 GANTT_COLORS = {"queued": "#d5d5d5", "prefill": "#f28e2b", "decode": "#4e79a7"}
 MARK_COLORS = {"swap": "#d62728", "recompute": "#9467bd"}

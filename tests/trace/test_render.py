@@ -14,7 +14,7 @@ import pytest
 from nanovllm.core.step_trace import StepTrace, read_trace
 from nanovllm.entrypoints.cli import main
 from nanovllm.trace import render_html, render_png
-from nanovllm.trace.render import MAX_POINTS
+from nanovllm.trace.figures import MAX_POINTS
 from tests.trace.synthetic import simulate
 
 SVG_NS = "http://www.w3.org/2000/svg"  # the script's createElementNS: a name, not a fetch
