@@ -14,7 +14,7 @@ import json
 import os
 import re
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jinja2
 import jinja2.ext
@@ -24,7 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from nanovllm.core.errors import InvalidRequestError, ModelLoadError
 
 if TYPE_CHECKING:
-    from nanovllm.engine.tokenizer import Tokenizer
+    from tokenizers import Tokenizer as BackendTokenizer
 
 # a content's special-token text stands in the template's input as MARK_OPEN index MARK_CLOSE
 # (private-use characters: no template treats them specially, no tokenizer merges them away)
@@ -70,8 +70,24 @@ class ChatTemplate:
             raise ChatTemplateError(message, "messages") from e
 
 
+class ChatTokenizer(Protocol):
+    """What `render_plain_contents` asks of a tokenizer: engine/tokenizer.py's Tokenizer,
+    which calls it from `render_chat`, so this module stays below the tokenizer."""
+
+    backend: BackendTokenizer  # its encodings carry offsets
+    special_tokens: dict[str, int]  # text -> id of every added token marked special
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, **variables: Any
+    ) -> str: ...
+
+    def encode(
+        self, text: str, add_special_tokens: bool = True, parse_special_tokens: bool = True
+    ) -> list[int]: ...
+
+
 def render_plain_contents(
-    tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
+    tokenizer: ChatTokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
     **variables: Any,
 ) -> list[int]:
     """Token ids of the rendered conversation, with every special token a message's content
