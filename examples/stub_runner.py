@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Callable, Iterable
 
 from nanovllm.core.block_manager import BlockManager
-from nanovllm.core.config import ResolvedConfig
+from nanovllm.core.config import EngineConfig, ResolvedConfig
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.core.scheduler import Scheduler
 from nanovllm.core.sequence import Sequence
@@ -33,13 +33,12 @@ class StubRunner:
                  next_token: Callable[[Sequence], int] = lambda seq: 7,
                  trace: str | None = None) -> None:
         self.config = ResolvedConfig(
+            asked=EngineConfig(enable_prefix_caching=prefix_caching, scheduling_policy=policy),
             device="cpu", dtype="float32", max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size, num_kv_blocks=num_blocks, kv_cache_gib=None,
-            gpu_memory_utilization=0.9, enable_prefix_caching=prefix_caching,
-            scheduling_policy=policy, admission_batch=1, admission_max_delay=16,
+            block_size=block_size, num_kv_blocks=num_blocks, admission_batch=1,
             cuda_graphs=False, overlap=False, kernels="torch", attention_backend="torch",
-            seed=0, num_threads=None)
+            num_threads=None)
         self.block_manager = BlockManager(num_blocks, block_size,
                                           enable_prefix_caching=prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)  # no EOS: ends by length

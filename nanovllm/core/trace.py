@@ -1,7 +1,6 @@
 """A Scheduler's steps recorded in the step trace, whose format (`StepTrace`, `read_trace`)
 is core/step_trace.py: the recorder sits above the scheduler it reads, the format below it."""
 
-import dataclasses
 from typing import IO, TYPE_CHECKING
 
 from nanovllm.core.step_trace import StepTrace, read_trace  # noqa: F401 (read_trace re-exported)
@@ -26,7 +25,7 @@ class SchedulerTrace:
                         num_host_blocks=config.num_host_blocks,
                         max_num_seqs=config.max_num_seqs,
                         max_num_batched_tokens=config.max_num_batched_tokens,
-                        config=dataclasses.asdict(config))
+                        config=config.as_dict())
         self.live: dict[int, tuple[str, Sequence]] = {}  # seq id -> (request, sequence)
         self.events = dict(block_manager.events)
         self.rows: list[dict] = []

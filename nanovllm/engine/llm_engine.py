@@ -73,7 +73,7 @@ class LLMEngine:
         if peers is not None:  # the other ranks go with this engine, or at exit
             weakref.finalize(self, self.runner.shutdown)
         try:
-            self.config = fit_kv_cache(resolved, config, self.runner.measure_kv_blocks(),
+            self.config = fit_kv_cache(resolved, self.runner.measure_kv_blocks(),
                                        self.runner.measure_host_blocks())
             self.runner.setup(self.config)
         except BaseException:

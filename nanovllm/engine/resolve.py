@@ -53,6 +53,7 @@ def resolve_config(
     block_size = _block_size(config, attention, cuda)
     kernels = _kernels(config, cuda, native)
     return ResolvedConfig(
+        asked=config,
         device=device,
         dtype=dtype,
         max_model_len=config.max_model_len or context,
@@ -60,43 +61,28 @@ def resolve_config(
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
         num_kv_blocks=config.num_kv_blocks,
-        kv_cache_gib=config.kv_cache_gib,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        enable_prefix_caching=config.enable_prefix_caching,
-        scheduling_policy=config.scheduling_policy,
         admission_batch=admission,
-        admission_max_delay=config.admission_max_delay,
         cuda_graphs=graphs,
         overlap=cuda if config.overlap is None else config.overlap,
         kernels=kernels,
         attention_backend=attention,
-        seed=config.seed,
         num_threads=_threads(config, device),
         weight_format=_weight_format(config.weight_format, device, quantized_file),
-        admission_headroom=config.admission_headroom,
         swap_space=(default_swap_gib(host_memory_available())
                     if cuda and config.enable_prefix_caching else 0.0)
         if config.swap_space is None else config.swap_space,
-        cpu_offload_gib=config.cpu_offload_gib,
-        preemption_mode=config.preemption_mode,
-        tensor_parallel_size=_tensor_parallel(config.tensor_parallel_size, device, model),
-        kv_cache_dtype=config.kv_cache_dtype,
-        kv_cache_scales=config.kv_cache_scales,
-        fp8_attention=_fp8_attention(config, attention, model, block_size),
-        mixed_graphs=_mixed_graphs(config, graphs, attention),
-        split_k=_split_k(config, kernels, cuda),
-        all_reduce=_all_reduce(config, device, dtype),
+        # split-K partials are summed by the Triton residual-add RMSNorm; under tensor
+        # parallelism o_proj and down_proj are all-reduced, which needs their whole output
+        split_k=kernels == "triton" and _tensor_parallel(config.tensor_parallel_size, device,
+                                                         model) == 1,
     )
 
 
 def _block_size(config: EngineConfig, attention: str, cuda: bool) -> int:
     """The Triton kernels read a tile of a transposed fp8 V cache from one block (see
-    worker/kv_cache.py), so 16-token blocks mean 16-token tiles: on the H200 the seed workload
-    ran at 19,600 tok/s with them, 27,000-27,500 with 64 and 30,200 with 128 (and 128-token
-    tiles); bf16's cache ran at 24,700 with 16 or 128. fp8_attention's kernels need 128-token
-    tiles on any device (Triton's interpreter on a CPU included)."""
-    fp8_tiles = (attention == "triton" and config.kv_cache_dtype == "fp8"
-                 and (cuda or config.fp8_attention != "off"))
+    worker/kv_cache.py), so 16-token blocks would mean 16-token tiles, far slower on a GPU;
+    a bf16 cache runs as fast with 16 as with 128."""
+    fp8_tiles = attention == "triton" and config.kv_cache_dtype == "fp8" and cuda
     if config.block_size is None:
         return FP8_BLOCK_SIZE if fp8_tiles else BLOCK_SIZE
     if fp8_tiles and config.block_size < FP8_BLOCK_SIZE:
@@ -106,11 +92,12 @@ def _block_size(config: EngineConfig, attention: str, cuda: bool) -> int:
     return config.block_size
 
 
-def fit_kv_cache(resolved: ResolvedConfig, asked: EngineConfig, num_blocks: int,
+def fit_kv_cache(resolved: ResolvedConfig, num_blocks: int,
                  num_host_blocks: int = 0) -> ResolvedConfig:
     """The final config once the KV cache holds `num_blocks` blocks (and the host tier
     `num_host_blocks`): an automatic max_model_len shrinks to what the cache holds; an
     explicit one must fit."""
+    asked = resolved.asked
     tokens = num_blocks * resolved.block_size
     max_model_len = resolved.max_model_len
     if asked.max_model_len is None:
@@ -169,9 +156,9 @@ def _triton_runs(cuda: bool) -> bool:
 def _native(config: EngineConfig, cuda: bool, dtype: str) -> bool:
     """Whether the CPU's native kernels (kernels/cpu_native.py) run: asked for, or by default
     on a CPU in float32 with a float32 cache, where the C compiler builds them, unless the
-    Triton (fused_kernels) or compiled (torch_compile) ops were asked for."""
+    Triton ops (fused_kernels) were asked for."""
     if config.native_kernels is False or (config.native_kernels is None and (
-            cuda or config.fused_kernels or config.torch_compile)):
+            cuda or config.fused_kernels)):
         return False  # not asked, and another choice of kernels was
     if cuda:
         why = "they are the CPU's kernels; on a GPU the Triton ones run"
@@ -199,21 +186,7 @@ def _kernels(config: EngineConfig, cuda: bool, native: bool = False) -> str:
         )
     if fused:
         return "triton"
-    if config.torch_compile:
-        return "compiled"
     return "native" if native else "torch"
-
-
-def _split_k(config: EngineConfig, kernels: str, cuda: bool) -> bool:
-    if config.split_k is None:  # on where it was measured: a GPU, one rank
-        return kernels == "triton" and cuda and config.tensor_parallel_size == 1
-    if config.split_k and kernels != "triton":
-        raise ConfigError("split_k=True needs the fused kernels (fused_kernels, on by default "
-                          "on a GPU): their residual-add RMSNorm sums its partial products")
-    if config.split_k and config.tensor_parallel_size > 1:
-        raise ConfigError("split_k=True is for one rank: under tensor parallelism o_proj and "
-                          "down_proj are all-reduced, which needs their whole output")
-    return config.split_k
 
 
 def _attention(name: str, cuda: bool, native: bool = False) -> str:
@@ -228,31 +201,6 @@ def _attention(name: str, cuda: bool, native: bool = False) -> str:
             "TRITON_INTERPRET=1); use 'auto' or 'torch'"
         )
     return name
-
-
-def _fp8_attention(config: EngineConfig, attention: str, model: ModelConfig,
-                   block: int) -> str:
-    """The Triton kernels read 128-position tiles, each from one block of the transposed V
-    cache, and need a power-of-2 head_dim (kernels/triton_fp8_decode.py)."""
-    mode = config.fp8_attention
-    if mode == "off" or attention != "triton":
-        return mode
-    if block % FP8_BLOCK_SIZE:
-        raise ConfigError(f"fp8_attention={mode!r} reads tiles of {FP8_BLOCK_SIZE} tokens from "
-                          f"one block: use block_size >= {FP8_BLOCK_SIZE} (or leave it unset)")
-    if model.head_dim & (model.head_dim - 1):
-        raise ConfigError(f"fp8_attention={mode!r} needs a power-of-2 head_dim; this model's "
-                          f"is {model.head_dim}: leave it off")
-    return mode
-
-
-def _mixed_graphs(config: EngineConfig, graphs: bool, attention: str) -> bool:
-    if config.mixed_graphs and not (graphs and attention == "triton"):
-        raise ConfigError(
-            "mixed_graphs=True needs CUDA graphs (a GPU, without enforce_eager) and the Triton "
-            "attention, whose launches read each step's lengths on the device; leave it off"
-        )
-    return config.mixed_graphs
 
 
 # (max_num_seqs, max_num_batched_tokens) when not given. A CPU's steps are bound by its
@@ -283,21 +231,6 @@ def _step_limits(config: EngineConfig, cuda: bool) -> tuple[int, int]:
     if given_tokens is not None:
         return min(seqs, given_tokens), given_tokens
     return seqs, tokens
-
-
-def _all_reduce(config: EngineConfig, device: str, dtype: str) -> str:
-    if config.all_reduce != "symm_mem":
-        return config.all_reduce
-    if device != "cuda" or config.tensor_parallel_size < 2:
-        raise ConfigError(
-            "all_reduce='symm_mem' sums over GPU peer memory: it needs tensor_parallel_size "
-            f">= 2 on CUDA GPUs (here {config.tensor_parallel_size} on {device}); "
-            "use all_reduce='nccl'"
-        )
-    if dtype not in ("bfloat16", "float32"):
-        raise ConfigError(f"all_reduce='symm_mem' sums bfloat16 or float32, not {dtype}; "
-                          "use all_reduce='nccl' or another dtype")
-    return config.all_reduce
 
 
 def _tensor_parallel(size: int, device: str, model: ModelConfig) -> int:

@@ -2,12 +2,11 @@
 
 Every operation has a plain-torch implementation (`torch_ops`, `torch_attention`: the
 reference, and the CPU path where no C compiler is found) and a Triton one (`triton_ops`,
-`triton_attention`, `triton_sampling`: the CUDA path, also run by tests in Triton's CPU
+`triton_attention`, `triton_cdf_sampling`: the CUDA path, also run by tests in Triton's CPU
 interpreter). On a CPU the small ops and decode attention run in C (`cpu_native`, built on
-first use). The small elementwise ops have a fourth choice, `torch.compile` of the torch
-ones.
+first use).
 
-An engine resolves its settings (EngineConfig.fused_kernels, native_kernels, torch_compile,
+An engine resolves its settings (EngineConfig.fused_kernels, native_kernels,
 attention_backend) into one `Kernels` and passes it to the model when it is built, so two
 engines in one process run what each asked for. Triton modules are imported only when
 chosen: a CPU install without triton never loads them.
@@ -17,17 +16,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# over an fp8 cache, prefill rows attend over their own positions with this step's K/V as
-# computed (each backend's paged_attention `fresh`), the cache only before them: the chunk
-# is read as a bf16 cache's is, without converting its bytes, and unrounded (on the H200 a
-# seed prefill step's attention 0.236 ms against 0.348; the seed workload 36,175 tok/s
-# against 36,016, ahead in 9 rounds of 10; its mean KL 0.84x the cache's,
-# benchmarks/kv_accuracy.py --fresh-prefill). The engine reads it when it picks its kernels
-# (worker/model_runner.py); a bf16 or float32 cache holds the values as computed, so there
-# it stays off (it would only cost: 0.264 ms against 0.246)
-FRESH_PREFILL = True
 # norms, RoPE, SiLU (and the one-pass sampler)
-OPS = ("triton", "native", "torch", "compiled")
+OPS = ("triton", "native", "torch")
 ATTENTION = ("triton", "native", "torch")  # paged attention and the K/V store
 
 
@@ -51,23 +41,21 @@ class Kernels:
     # split-K partial products that add_rms_norm sums (triton_linear.py; Triton ops only);
     # None: their plain matmul
     split_k_linear: Callable | None = None
-    # Attention passes each step's K/V to paged_attention as `fresh` (FRESH_PREFILL)
+    # Attention passes each step's K/V to paged_attention as `fresh`, so an fp8 cache's
+    # prefill rows read their own chunk as computed, unrounded (a cache of the model's dtype
+    # holds those values already)
     fresh_prefill: bool = False
     # qkv_proj and gate_up_proj at few rows by a Triton launch (triton_linear.small_linear,
-    # bound with split_k; None from it, the plain matmul: more rows, or SMALL_GEMMS off)
+    # bound with split_k; None from it, the plain matmul: more rows)
     small_linear: Callable | None = None
 
 
 @functools.cache  # equal choices share callables (and compiled graphs)
-def select_kernels(ops: str = "torch", attention: str = "torch",
-                   fp8_attention: str = "off", split_k: bool = False,
+def select_kernels(ops: str = "torch", attention: str = "torch", split_k: bool = False,
                    fresh_prefill: bool = False) -> Kernels:
-    """The kernels for `ops` (one of OPS) and `attention` (one of ATTENTION); with
-    `fp8_attention` ("q" | "qp") the attention over an fp8 cache runs on the fp8 tensor
-    cores (kernels/triton_fp8_decode.py; the torch backend: its numerics); `split_k` (Triton
-    ops only): the split-K projections of triton_linear.py (and its small_linear);
-    `fresh_prefill`: see
-    FRESH_PREFILL."""
+    """The kernels for `ops` (one of OPS) and `attention` (one of ATTENTION); `split_k`
+    (Triton ops only): the split-K projections of triton_linear.py (and its small_linear);
+    `fresh_prefill`: see Kernels.fresh_prefill."""
     if ops not in OPS or attention not in ATTENTION:
         raise ValueError(f"unknown kernels ops={ops!r} attention={attention!r}")
     if split_k and ops != "triton":
@@ -87,19 +75,11 @@ def select_kernels(ops: str = "torch", attention: str = "torch",
     else:
         from nanovllm.kernels import torch_ops as impl
     fns = [impl.rms_norm, impl.add_rms_norm, impl.qk_norm_rope, impl.silu_and_mul]
-    if ops == "compiled":
-        import torch
-
-        # each is several small kernels eagerly and one fused kernel compiled
-        fns = [torch.compile(fn, dynamic=True, fullgraph=True) for fn in fns]
     fused_store = None
     if ops == "triton" and attention == "triton":
         from nanovllm.kernels.triton_kv_store import qk_norm_rope_store as fused_store
-    paged_attention = attn.paged_attention
-    if fp8_attention != "off":
-        paged_attention = functools.partial(paged_attention, fp8_attention=fp8_attention)
     split_k_linear = small_linear = None
     if split_k:
         from nanovllm.kernels.triton_linear import small_linear, split_k_linear
-    return Kernels(ops, attention, *fns, attn.store_kv, paged_attention, one_pass,
+    return Kernels(ops, attention, *fns, attn.store_kv, attn.paged_attention, one_pass,
                    fused_store, split_k_linear, fresh_prefill, small_linear)

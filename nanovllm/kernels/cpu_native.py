@@ -209,18 +209,17 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, fp8_attention: str = "off",
+                    meta: AttentionMetadata, scale: float,
                     fresh: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Decode steps (one query token per row) natively; any other step as the torch
     backend does it (`fresh` there too)."""
     lens, tables = meta.context_lens, meta.block_tables
     decode = meta.max_query_len == 1 and q.shape[0] == len(meta.query_lens_host)
-    if (fp8_attention != "off" or not decode
+    if (not decode
             or not (_cache_ok(k_cache) and _cache_ok(v_cache)) or not _rows_ok(q)
             or lens.dtype != torch.int32 or not lens.is_contiguous()
             or tables.dtype != torch.int32 or tables.stride(-1) != 1):
-        return torch_attention.paged_attention(q, k_cache, v_cache, meta, scale, fp8_attention,
-                                               fresh)
+        return torch_attention.paged_attention(q, k_cache, v_cache, meta, scale, fresh)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     status = _lib().decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),

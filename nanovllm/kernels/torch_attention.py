@@ -1,8 +1,8 @@
 """Paged attention in plain torch: the CPU backend and the reference for the GPU kernels.
 
 A cache of bytes (uint8) holds float8 e4m3 values (kv_cache_dtype="fp8", worker/kv_cache.py
-KVFormat): its last dimension is head_dim (one static scale of 1) or `fp8_width` (the
-token-head's float32 scale after its values, padded to 16 bytes). K/V are quantized as they
+KVFormat): its last dimension is `fp8_width` (the token-head's float32 scale after its
+values, padded to 16 bytes). K/V are quantized as they
 are stored and dequantized as a row's context is read, to the query's dtype. An fp8 V cache
 may be stored transposed within each block (`v_transposed`; worker/kv_cache.py): the same
 logical view, its rows gathered and written through it here. An fp8 K cache may keep
@@ -19,22 +19,20 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 
 
-def fp8_width(head_dim: int, scaled: bool) -> int:
-    """Bytes per token-head of an fp8 cache: the values, and when scaled their float32 scale,
-    padded to a multiple of 16 bytes. Unpadded (head_dim + 4), the rows' stride is not a
+def fp8_width(head_dim: int) -> int:
+    """Bytes per token-head of an fp8 cache: the values and their float32 scale, padded to a
+    multiple of 16 bytes. Unpadded (head_dim + 4), the rows' stride is not a
     multiple of 16, and Triton loads the tiles a byte at a time instead of in 16-byte vectors
     (seen in the decode kernel's PTX for sm_90: 128 ld.global.b8 and no cp.async)."""
-    return -(-(head_dim + 4) // 16) * 16 if scaled else head_dim
+    return -(-(head_dim + 4) // 16) * 16
 
 
 def quantize_fp8(x: torch.Tensor, width: int) -> torch.Tensor:
-    """[T, H, D] -> the cache's bytes [T, H, width]: float8 values, then (width > D) each
-    token-head's float32 scale amax / 448, so its largest value maps to 448, and zero padding.
+    """[T, H, D] -> the cache's bytes [T, H, width]: float8 values, then each token-head's
+    float32 scale amax / 448, so its largest value maps to 448, and zero padding.
     NaN is stored as 0 and infinities as the largest float32s, so every byte is finite."""
     dim = x.shape[-1]
     x = torch.nan_to_num(x.float())  # the cache holds finite bytes only (NaN -> 0)
-    if width == dim:
-        return x.clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
     scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     values = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
     pad = values.new_zeros(*values.shape[:-1], width - dim - 4)
@@ -43,17 +41,9 @@ def quantize_fp8(x: torch.Tensor, width: int) -> torch.Tensor:
 
 def dequantize_fp8(raw: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """The cache's bytes [..., width] -> values [..., dim] in `dtype`."""
-    values, scales = _fp8_parts(raw, dim)
-    return (values if scales is None else values * scales[..., None]).to(dtype)
-
-
-def _fp8_parts(raw: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The cache's bytes [..., width] -> (the e4m3 values [..., dim] as float32, each row's
-    float32 scale [...], or None for a cache without scales)."""
     values = raw[..., :dim].view(FP8).float()
-    if raw.shape[-1] == dim:
-        return values, None
-    return values, raw[..., dim:dim + 4].contiguous().view(torch.float32)[..., 0]
+    scales = raw[..., dim:dim + 4].contiguous().view(torch.float32)[..., 0]
+    return (values * scales[..., None]).to(dtype)
 
 
 def _read(raw: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -69,8 +59,9 @@ def v_transposed(cache: torch.Tensor) -> bool:
 
 def k_scale_plane(cache: torch.Tensor) -> bool:
     """Whether an fp8 K cache keeps each block-head's float32 scales in a plane after its
-    values (worker/kv_cache.py FP8_K_SCALE_PLANE): a head's block is [block_size, head_dim]
-    value bytes, then [block_size] scales, so reading it skips the rows' 16-byte padding.
+    values (beside a V stored transposed, worker/kv_cache.py): a head's block is
+    [block_size, head_dim] value bytes, then [block_size] scales, so reading it skips the
+    rows' 16-byte padding.
     Its [blocks, block_size, Hkv, width] view steps positions by head_dim bytes, fewer than
     its width, which no other layout does; the view's bytes past head_dim are not its own
     (read and written here through `scale_plane_parts`)."""
@@ -160,18 +151,12 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    fp8_attention: str = "off",
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of q ([T, Hq, D]) over each row's cached context; returns [T, Hq, D].
-    `fp8_attention` ("q" | "qp", over an fp8 cache): in the numerics of the Triton kernels'
-    fp8 tensor-core path (`fp8_decode_reference`). `fresh`: this step's K and V ([T, Hkv,
-    D], as stored), which rows of more than one query token read for their own positions
-    instead of the cache (over an fp8 cache: the values before rounding)."""
-    if fp8_attention != "off" and k_cache.dtype == torch.uint8:
-        out = fp8_decode_reference(q, k_cache, v_cache, meta, scale,
-                                   fp8_p=fp8_attention == "qp", decode_only=False)
-        return out.to(q.device, q.dtype)
+    `fresh`: this step's K and V ([T, Hkv, D], as stored), which rows of more than one query
+    token read for their own positions instead of the cache (over an fp8 cache: the values
+    before rounding)."""
     if meta.query_lens_host == [1]:  # single-stream decode: no output buffer to fill
         k, v = _context(k_cache, v_cache, meta, 0, q)
         return _decode_one(q[0], k, v, scale)[None]
@@ -271,75 +256,3 @@ def _decode_batched(q, k_cache, v_cache, meta, scale, rows, starts, out) -> None
         enable_gqa=q.shape[1] != k.shape[2],
     )
     out[tok_idx] = o.squeeze(2)
-
-
-# ---------------------------------------------------------------------------------------
-# fp8_attention: the numerics of the fp8 decode on the tensor cores' fp8 path
-
-_LOG2E = 1.4426950408889634
-
-
-def _e4m3(x: torch.Tensor) -> torch.Tensor:
-    """x (float32) rounded to e4m3 and back, saturating at +-448."""
-    return x.clamp(-448.0, 448.0).to(FP8).to(torch.float32)
-
-
-def fp8_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float, *, fp8_p: bool = True,
-                        decode_only: bool = True, tile: int = 128) -> torch.Tensor:
-    """The numerics of `fp8_attention` (the Triton kernels' fp8 tensor-core path:
-    triton_fp8_decode's decode, triton_attention's prefill) in float32 torch, one split: q
-    rounded to e4m3 with a scale per token and head; the running maximum kept per tile of
-    `tile` positions (the kernels' `FP8_MMA_TILE`) as the kernels keep it; P times each
-    position's V scale over the tile's largest (per query), rounded to e4m3 (fp8_p) or to
-    float16. Rows with one query token; with `decode_only=False` every query token over its
-    causal context, as the prefill kernel computes it (the torch backend's `fp8_attention`,
-    and benchmarks/kv_accuracy.py's). Other rows' output is 0."""
-    out = torch.zeros(q.shape, dtype=torch.float32)
-    starts = _host_starts(meta.query_lens_host)
-    group = q.shape[1] // k_cache.shape[2]
-    for row, (n, ctx) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
-        if n == 0 or ctx == 0 or (decode_only and n != 1):
-            continue
-        slots = _context_slots(meta, row, k_cache.shape[1]).to(k_cache.device)
-        k_raw, v_raw = (_rows(c, slots).cpu() for c in (k_cache, v_cache))
-        out[starts[row]:starts[row] + n] = _fp8_row_attention(
-            q[starts[row]:starts[row] + n].float().cpu(), k_raw, v_raw, group,
-            scale * _LOG2E, fp8_p, tile)
-    return out
-
-
-def _fp8_row_attention(q, k_raw, v_raw, group, scale_log2, fp8_p, tile):
-    """One row's n query tokens (the last n positions of its context) [n, Hq, D] over the
-    context's cache bytes [ctx, Hkv, width]."""
-    n, ctx = q.shape[0], k_raw.shape[0]
-    (k8, ks), (v8, vs) = (_fp8_parts(r, q.shape[-1]) for r in (k_raw, v_raw))
-    k8, v8 = (x.repeat_interleave(group, dim=1) for x in (k8, v8))  # [ctx, Hq, D]
-    if ks is None:  # one static scale of 1
-        ks = vs = torch.ones(ctx, q.shape[1])
-    else:  # each position's float32 scale
-        ks, vs = (x.repeat_interleave(group, dim=1) for x in (ks, vs))  # [ctx, Hq]
-    q_scale = q.abs().amax(-1).clamp_min(1e-12) / 448.0  # [n, Hq]
-    q8 = _e4m3(q / q_scale[..., None])
-    s = torch.einsum("nhd,chd->hnc", q8, k8) * ks.T[:, None, :]
-    s = s * (q_scale.T * scale_log2)[..., None]
-    allowed = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]  # [n, ctx]
-    s = s.masked_fill(~allowed, float("-inf"))
-    w = vs.T[:, None, :].masked_fill(~allowed, 0.0)  # [Hq, n, ctx]: V scales, 0 past a query
-    tiles = -(-ctx // tile)
-    pad = tiles * tile - ctx
-    s = torch.nn.functional.pad(s, (0, pad), value=float("-inf")).view(*s.shape[:2], tiles, tile)
-    w = torch.nn.functional.pad(w, (0, pad)).view(*s.shape)
-    v = torch.nn.functional.pad(v8, (0, 0, 0, 0, 0, pad)).view(tiles, tile, *v8.shape[1:])
-    m = torch.cummax(s.amax(-1).clamp_min(-1e30), dim=-1).values  # [Hq, n, tiles] running max
-    p = torch.exp2(s - m[..., None])
-    carry = torch.exp2(m - m[..., -1:])  # each tile's factor at the end: the alphas after it
-    l_sum = (carry * p.sum(-1)).sum(-1)  # [Hq, n]
-    if fp8_p:
-        w_max = w.amax(-1).clamp_min(1e-30)  # [Hq, n, tiles]
-        pw = _e4m3(p * w / w_max[..., None]) * w_max[..., None]
-    else:
-        pw = (p * w).half().float()
-    pv = torch.einsum("hnti,tihd->hntd", pw, v)
-    acc = (carry[..., None] * pv).sum(-2)  # [Hq, n, D]
-    return (acc / l_sum.clamp_min(1e-30)[..., None]).permute(1, 0, 2)

@@ -8,8 +8,7 @@ Two entry points:
   one program per (row, kv head, split), the splits combined by a reduce (flash-decoding);
   rows with several (prefill, chunked prefill over a cached prefix) to triton_prefill.py's,
   one program per (tile of a row's tokens, kv head). Both loop over tiles of the cache with
-  triton_tiles.py's loads and online-softmax step. `fp8_attention` sends the decode rows to
-  triton_fp8_decode.py instead.
+  triton_tiles.py's loads and online-softmax step.
 
 Launch grids depend only on tensor shapes and python ints, never on device values, so a
 decode step can be captured in a CUDA graph (what each launch bakes in: the decode and
@@ -27,12 +26,10 @@ import torch
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
 from nanovllm.kernels.triton_decode import launch_decode
-from nanovllm.kernels.triton_fp8_decode import decode_fp8
 
 # the backend's other entry point
 from nanovllm.kernels.triton_kv_store import store_kv  # noqa: F401
 from nanovllm.kernels.triton_prefill import launch_prefill
-from nanovllm.kernels.triton_rank import LONGEST_FIRST, _longest_first
 from nanovllm.kernels.triton_tiles import LOG2E, TileConfig
 
 
@@ -46,21 +43,16 @@ def paged_attention(
     num_splits: int | None = None,
     prefill_config: TileConfig | None = None,
     decode_config: TileConfig | None = None,
-    longest_first: bool = LONGEST_FIRST,
-    fp8_attention: str = "off",
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of q ([T, Hq, D], any strides) over each row's cached context; [T, Hq, D].
 
     Same contract as `torch_attention.paged_attention`. `num_splits` fixes the decode KV
     splits (default: `choose_num_splits` from the row count and meta.max_context_len);
-    the configs override tile sizes; `longest_first` starts the decode programs of the
-    longest contexts first (same results, another order). `fp8_attention` ("q" | "qp",
-    over an fp8 cache): decode rows run triton_fp8_decode's kernel, q (and P) in e4m3 on
-    the fp8 tensor cores. `fresh`: this step's K and V ([T, Hkv, D] each, in q's dtype, as
-    stored): prefill rows read their own positions from them, the earlier ones from the
-    cache (the same values over a cache of q's dtype; over an fp8 one, the values before
-    rounding); decode rows, and fp8_attention, read the cache only. See the module
+    the configs override tile sizes. `fresh`: this step's K and V ([T, Hkv, D] each, in q's
+    dtype, as stored): prefill rows read their own positions from them, the earlier ones
+    from the cache (the same values over a cache of q's dtype; over an fp8 one, the values
+    before rounding); decode rows read the cache only. See the module
     docstring for what a launch bakes in.
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -74,14 +66,8 @@ def paged_attention(
     only_decode = meta.max_query_len == 1
     has_decode_rows = only_decode or 1 in meta.query_lens_host
     if has_decode_rows:
-        order = _longest_first(meta) if longest_first else None
-        if fp8_attention != "off":
-            decode_fp8(q, k_cache, v_cache, meta, scale, fp8_p=fp8_attention == "qp",
-                       num_splits=num_splits, out=out, order=order)
-        else:
-            launch_decode(q, k_cache, v_cache, out, scale_log2, meta, num_splits,
-                          decode_config, order)
+        launch_decode(q, k_cache, v_cache, out, scale_log2, meta, num_splits, decode_config)
     if not only_decode:  # (the prefill kernel skips the decode rows)
-        launch_prefill(q, k_cache, v_cache, out, scale_log2, meta, prefill_config,
-                       fp8_attention, fresh, skip_decode=has_decode_rows)
+        launch_prefill(q, k_cache, v_cache, out, scale_log2, meta, prefill_config, fresh,
+                       skip_decode=has_decode_rows)
     return out

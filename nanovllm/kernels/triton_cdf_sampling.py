@@ -1,8 +1,8 @@
 """Sampling greedy and plain-temperature rows by the inverse of their CDF: one uniform a row.
 
-triton_sampling's Gumbel race draws a uniform and two logarithms for every token of the
-vocabulary, so its time goes to that arithmetic, not to reading the logits. Here the noise
-is one uniform a row, in two launches:
+A Gumbel race would draw a uniform and two logarithms for every token of the vocabulary,
+so its time would go to that arithmetic, not to reading the logits. Here the noise is one
+uniform a row, in two launches:
 
 1. `_tile_sums_kernel`, programs over (row, run of tiles of TILE logits): each tile's
    maximum m_t of x = logit * log2(e) / T and its sum s_t of 2^(x - m_t), one read of the
@@ -24,13 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import triton_sampling
-
-# the one-pass sampler's method: the inverse CDF (here) or triton_sampling's Gumbel race.
-# On the H200 (benchmarks/sampler.py, graph replays, 152k vocabulary, T = 0.6): 32.7 us
-# against 82.4 at 256 rows, 11.1 against 26.4 at 64; the seed workload with an fp8 cache
-# 1.012x in one call (three rounds, every one), 1.00x in another (two rounds)
-INVERSE_CDF = True
 LOG2E = tl.constexpr(1.4426950408889634)
 TILE = 1024  # logits a tile: a row of Qwen3's 151,936 has 149 tiles
 NOT_FOUND = tl.constexpr(2147483647)
@@ -105,7 +98,7 @@ def _draw_kernel(
         tl.store(out_ptr + row, token.to(tl.int64))
 
 
-def inverse_cdf_sample(
+def sample_one_pass(
     logits: torch.Tensor, temperatures: torch.Tensor, min_temperature: float,
     seed: int | None = None, num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -122,7 +115,7 @@ def inverse_cdf_sample(
         seed = _rng.getrandbits(31)
     block = max(16, min(TILE, triton.next_power_of_2(vocab)))
     num_tiles = -(-vocab // block)
-    if num_splits is None:  # about 2048 programs in all, as triton_sampling's race
+    if num_splits is None:  # about 2048 programs in all
         num_splits = max(1, min(32, -(-2048 // rows)))
     per_program = -(-num_tiles // min(num_splits, num_tiles))
     maxes = torch.empty(rows, num_tiles, dtype=torch.float32, device=logits.device)
@@ -134,12 +127,3 @@ def inverse_cdf_sample(
         logits, logits.stride(0), temperatures, maxes, sums, out, seed, vocab, num_tiles,
         min_temperature, BLOCK=block, TILES=triton.next_power_of_2(num_tiles), num_warps=4)
     return out
-
-
-def sample_one_pass(logits: torch.Tensor, temperatures: torch.Tensor, min_temperature: float,
-                    seed: int | None = None) -> torch.Tensor:
-    """The engine's one-pass sampler (Kernels.sample_one_pass): this module's inverse CDF,
-    or with INVERSE_CDF off triton_sampling's Gumbel race."""
-    if INVERSE_CDF:
-        return inverse_cdf_sample(logits, temperatures, min_temperature, seed)
-    return triton_sampling.gumbel_argmax(logits, temperatures, min_temperature, seed)

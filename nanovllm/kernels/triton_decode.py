@@ -4,9 +4,10 @@ One program per (row, kv head, split): the kv head's GQA query heads are the M d
 `tl.dot` (padded to a power of 2; Triton pads the dot to the tensor cores' 16 rows), so each
 K/V tile is read once per group. With num_splits > 1 each split covers a slice of the
 context and writes a partial (normalized acc, log2-sum-exp), and `_reduce_kernel` combines
-the splits (flash-decoding). With `longest_first` the grid is (kv head x split, row slot)
-and slot i runs the i-th longest row, ranked on the device (triton_rank.py): the GPU starts
-programs in grid order, so no long row starts last and runs alone at the end.
+the splits (flash-decoding). The grid is (kv head x split, row slot) and slot i runs the
+i-th longest row, ranked on the device (triton_rank.py): the GPU starts programs in grid
+order, so no long row starts last and runs alone at the end. An fp8 cache's tiles read
+nothing past the context's end (`_load_block_tile`'s SKIP).
 
 A launch bakes in num_rows (= context_lens.shape[0]), the heads, head_dim, block_size,
 dtype, the block table's width (its stride), num_splits (from num_rows and
@@ -15,9 +16,6 @@ positions are read on the device, so a captured decode graph replays with new va
 them. Any num_splits is correct for any context lengths: splits past a row's context are
 empty and weigh nothing in the reduction. A padding row (context_len 0) reads nothing and
 gives zeros in its output row, or nothing if its query_len is 0.
-
-triton_fp8_decode.py (fp8_attention) builds on the pieces here (`_decode_program`,
-`_decode_span`, `_decode_out`, `split_partials`, `reduce_splits`).
 """
 
 import functools
@@ -29,6 +27,7 @@ import triton.language as tl
 from nanovllm.kernels.attention_metadata import AttentionMetadata
 from nanovllm.kernels.triton_kv_store import _fp8_flags
 from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
+from nanovllm.kernels.triton_rank import longest_first
 from nanovllm.kernels.triton_tiles import (
     NEG_BIG,
     TileConfig,
@@ -45,11 +44,6 @@ from nanovllm.kernels.triton_tiles import (
 TARGET_PROGRAMS_PER_SM = 4  # bf16 d128 decode programs fit ~5 per SM (regs and smem)
 MIN_SPLIT_TOKENS = 256  # fewer tokens per split and the partial write + reduce dominate
 MAX_SPLITS = 64
-# an fp8 cache's decode tiles (whole in one block) read nothing past the context's end: K
-# row by row, V 16 positions at a time. Off, they read the whole tile, on average half of the
-# last one past the end. (Prefill tiles read whole: masked, Triton loaded their V scales a
-# byte at a time, and prefill is bound by its dots, not its reads.)
-SKIP_PAST_END = True
 FP8_DECODE_REGISTERS = 128  # an fp8 cache's decode: 4 programs of 4 warps an SM
 
 
@@ -119,13 +113,16 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, WRITE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
-    LONGEST_FIRST: tl.constexpr = False, V_T: tl.constexpr = False,
-    SKIP_PAST: tl.constexpr = False, K_PLANE: tl.constexpr = False, PDL: tl.constexpr = False,
+    V_T: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     # num_splits is a runtime int (one compiled kernel serves every split count);
     # WRITE_OUT (num_splits == 1) writes the normalized output directly, skipping the reduce
-    row, kv_head, split = _decode_program(order_ptr, NUM_Q_HEADS // GROUP, LONGEST_FIRST)
+    # the grid is (kv head x split, row slot): every program of the longest row first
+    kv_heads: tl.constexpr = NUM_Q_HEADS // GROUP
+    kv_head = tl.program_id(0) % kv_heads
+    split = tl.program_id(0) // kv_heads
+    row = tl.load(order_ptr + tl.program_id(1))
     q_start, is_decode, ctx, tile_lo, tile_hi = _decode_span(qsl_ptr, ctx_ptr, row, split,
                                                              num_splits, BLOCK_N)
     offs_g = tl.arange(0, BLOCK_G)
@@ -155,27 +152,13 @@ def _decode_kernel(
             offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
-            q_ptr.dtype.element_ty, FP8_ASM, V_T, SKIP_PAST, K_PLANE)
+            q_ptr.dtype.element_ty, FP8_ASM, V_T, True)
         acc, m_i, l_i = _softmax_step(q.to(k.dtype), k, v, k_scale, v_scale, acc, m_i, l_i,
                                       valid[None, :], scale_log2, True, SCALED, DOT_PRECISION)
 
     _decode_out(acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, row, split, num_splits,
                 q_start, heads, head_ok, dim_ok, offs_d, stride_ot, stride_oh, stride_od,
                 NUM_Q_HEADS, HEAD_DIM, WRITE_OUT)
-
-
-@triton.jit
-def _decode_program(order_ptr, KV_HEADS: tl.constexpr, LONGEST_FIRST: tl.constexpr):
-    # -> (row, kv head, split) of this decode program. LONGEST_FIRST: the grid is (kv head x
-    # split, row slot), which the GPU starts in that order, so every program of the longest
-    # row first and the shortest rows' last (see launch_decode); else (row, kv head, split)
-    if LONGEST_FIRST:
-        kv_head = tl.program_id(0) % KV_HEADS
-        split = tl.program_id(0) // KV_HEADS
-        row = tl.load(order_ptr + tl.program_id(1))
-    else:
-        row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    return row, kv_head, split
 
 
 @triton.jit
@@ -242,10 +225,9 @@ def _reduce_kernel(
 
 
 def launch_decode(q, k_cache, v_cache, out, scale_log2: float, meta: AttentionMetadata,
-                  num_splits: int | None = None, cfg: TileConfig | None = None,
-                  order: torch.Tensor | None = None) -> None:
+                  num_splits: int | None = None, cfg: TileConfig | None = None) -> None:
     """The attention of meta's decode rows into `out` (triton_attention.paged_attention's
-    arguments; `order`: the rows longest first, `_longest_first`, or None for batch order)."""
+    arguments), the rows started longest first."""
     num_rows = meta.context_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -258,21 +240,18 @@ def launch_decode(q, k_cache, v_cache, out, scale_log2: float, meta: AttentionMe
         num_splits = choose_num_splits(num_rows, num_kv_heads, max_context_len,
                                        _num_sms(q.device))
     part_o, part_lse = split_partials(out, num_rows, num_splits)
-    # Programs start in grid order, x fastest. In batch order a long row may start last and
-    # run alone at the end; longest first, the last to start are the shortest (LPT order).
-    grid = ((num_rows, num_kv_heads, num_splits) if order is None
-            else (num_kv_heads * num_splits, num_rows))
+    # Programs start in grid order, x fastest: the last to start are the shortest rows'
+    # (LPT order), so no long row runs alone at the end
+    grid = (num_kv_heads * num_splits, num_rows)
     _decode_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse, qsl, ctx, bt,
-        ctx if order is None else order, scale_log2, num_splits,
+        longest_first(meta), scale_log2, num_splits,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_G=max(cfg.block_m, _pow2(group)),
         BLOCK_N=_block_n(cfg, k_cache, flags), WRITE_OUT=num_splits == 1,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, LONGEST_FIRST=order is not None, SKIP_PAST=SKIP_PAST_END,
-        **flags, **pdl_launch(q),
-        **_register_cap(cfg, q),
+        num_stages=cfg.num_stages, **flags, **pdl_launch(q), **_register_cap(cfg, q),
     )
     reduce_splits(part_o, part_lse, out, qsl, num_rows, num_splits)
 

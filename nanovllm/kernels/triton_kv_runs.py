@@ -1,4 +1,4 @@
-"""A transposed fp8 V stored by runs (triton_kv_store.RUN_STORES): where a launch stores RUN
+"""A transposed fp8 V stored by runs: where a launch stores RUN
 tokens at consecutive slots from a multiple of RUN (a prefill chunk's), all in one block of
 one sequence, each row of the run's V takes its RUN bytes in one store instead of one byte
 from each token's program. Every token of a run decides the same from the run's slots
@@ -31,19 +31,13 @@ def _complete_run(slot_ptr, tok, slot, num_tokens):
 @triton.jit
 def _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h, stride_d,
                  mine, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, SCALED: tl.constexpr, RUN_HEADS: tl.constexpr):
+                 BLOCK_D: tl.constexpr, SCALED: tl.constexpr):
     # the V of RUN tokens from `lead` into a transposed cache at `run_at` (their first
-    # position), every head, or (RUN_HEADS) heads mine, mine + RUN, ...: per head,
-    # _store_fp8 with the run's positions as its rows, a byte apart, so each of a head's rows
-    # takes the run's RUN bytes in one store
-    if RUN_HEADS:
-        for h in range(mine, NUM_HEADS, RUN):
-            _store_v_run_head(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h,
-                              stride_d, h, HEAD_DIM, BLOCK_D, SCALED)
-    else:
-        for h in tl.static_range(NUM_HEADS):
-            _store_v_run_head(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h,
-                              stride_d, h, HEAD_DIM, BLOCK_D, SCALED)
+    # position), heads mine, mine + RUN, ...: per head, _store_fp8 with the run's positions
+    # as its rows, a byte apart, so each of a head's rows takes the run's RUN bytes in one store
+    for h in range(mine, NUM_HEADS, RUN):
+        _store_v_run_head(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h,
+                          stride_d, h, HEAD_DIM, BLOCK_D, SCALED)
 
 
 @triton.jit

@@ -18,27 +18,10 @@ from nanovllm.kernels.triton_kv_runs import RUN, _complete_run, _store_v_run
 from nanovllm.kernels.triton_ops import qk_norm_rope, qk_norm_rope_program, rope_launch
 from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
-# a transposed fp8 V written 16 positions at a time where a launch stores 16 tokens at
-# consecutive slots from a multiple of 16 (a prefill chunk's): the first token's program
-# writes each row's 16 bytes in one store, the others none, instead of every token writing
-# its 132 bytes one at a time (`_complete_run`): a 16,384-token prefill step's fp8 store
-# 108 us a layer instead of 280 (benchmarks/kv_store.py --pattern prefill; BENCHMARKS.md)
-RUN_STORES = True
-# a complete run's V heads written by as many of its tokens' programs, one head each, not
-# all by its first token's program one after another, and a run's tokens reading no V of
-# their own. On the H200 (benchmarks/kv_store.py, one layer, warm, fused RoPE + store): a
-# 256-token prefill chunk 4.8 us against 11.8, a 16,384-token prefill step 176 against 191;
-# the seed workload 1.004x (BENCHMARKS.md, sixteenth session)
-RUN_HEADS = True
-# the fused RoPE + store (qk_norm_rope_store) of up to V_APART_MAX_TOKENS tokens (a decode
-# step's) into a V cache stored transposed stores each token's V from a program of its own,
-# beside the ones rotating q and k, instead of after the K's rotation and store in the same
-# program, so the V's byte writes do not wait on the RoPE. On the H200 (benchmarks/kv_store.py,
-# one layer, warm): an fp8 decode step's 256 tokens 8.3 us against 10.6, a 256-token prefill
-# chunk 11.7 against 13.4, but 16,384 tokens 200 against 192; the seed workload 1.005x
-# (BENCHMARKS.md; measured before RUN_HEADS, which left a run's V to the token programs of
-# its heads: `--v-apart-all` times every launch apart)
-V_APART = True
+# The fused RoPE + store of up to this many tokens (a decode step's) into a V cache stored
+# transposed stores each token's V from a program of its own, beside the ones rotating q
+# and k, so the V's byte writes do not wait on the RoPE; a larger launch (a prefill step's)
+# is faster with the V after the K in the same program.
 V_APART_MAX_TOKENS = 1024
 
 
@@ -51,9 +34,7 @@ def _store_kv_kernel(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr = False, K_PLANE: tl.constexpr = False,
-    RUN_STORE: tl.constexpr = False, PDL: tl.constexpr = False,
-    RUN_HEADS: tl.constexpr = False,
+    V_T: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     _store_token(
@@ -61,8 +42,7 @@ def _store_kv_kernel(
         stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
         stride_kcb, stride_kcs, stride_kch, stride_kcd,
         stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, K_PLANE,
-        RUN_STORE, RUN_HEADS=RUN_HEADS,
+        NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T,
     )
 
 
@@ -75,11 +55,12 @@ def _store_token(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr, K_PLANE: tl.constexpr, RUN_STORE: tl.constexpr, PART: tl.constexpr = 0,
-    RUN_HEADS: tl.constexpr = False,
+    V_T: tl.constexpr, PART: tl.constexpr = 0,
 ):
     # token `tok`'s K/V [heads, head_dim] into its slot (-1: none); PART 1: its K only, 2:
-    # its V only (the fused kernel's programs apart), 0: both
+    # its V only (the fused kernel's programs apart), 0: both. Beside a transposed V (V_T) an
+    # fp8 K keeps each block-head's scales in a plane after its values
+    # (torch_attention.k_scale_plane); a transposed V is written by runs (triton_kv_runs.py)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     # clamp so a skipped (-1) slot never forms an address before the cache, even masked
     safe = tl.maximum(slot, 0)
@@ -96,7 +77,7 @@ def _store_token(
                     + offs_d[None, :] * stride_kd, mask=mask)
         kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs
         if FP8:
-            if K_PLANE:  # the block-head's scales after its values (torch_attention.k_scale_plane)
+            if V_T:  # the block-head's plane of scales
                 k_scale_at = k_cache_ptr + blk * stride_kcb + BLOCK_SIZE * stride_kcs + 4 * off
             else:
                 k_scale_at = kc + HEAD_DIM * stride_kcd
@@ -107,25 +88,24 @@ def _store_token(
                      k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     if PART != 1:
         v_at = v_ptr + src * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd
-        # RUN_HEADS, in a launch's store of many tokens (not a decode step's V program, PART
-        # 2, whose load goes beside its slots' rather than a step after them): a token reads
-        # its V only where it stores it; otherwise every token reads its V at once
-        late: tl.constexpr = RUN_HEADS and PART != 2 and FP8 and V_T and RUN_STORE
+        # in a launch's store of many tokens into a transposed V (not a decode step's V program,
+        # PART 2, whose load goes beside its slots' rather than a step after them), a token
+        # reads its V only where it stores it; otherwise every token reads its V at once
+        late: tl.constexpr = PART != 2 and FP8 and V_T
         if not late:
             v = tl.load(v_at, mask=mask)
         vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs
         if FP8:
-            if V_T and RUN_STORE:
-                # a complete run's V is written 16 bytes a row: head h by the program of the
-                # run's (h mod RUN)-th token (RUN_HEADS), or every head by its first token's;
-                # a token outside one writes its own
+            if V_T:
+                # a complete run's V is written 16 bytes a row, head h by the program of the
+                # run's (h mod RUN)-th token; a token outside one writes its own
                 lead, complete = _complete_run(slot_ptr, tok, slot, tl.num_programs(0))
-                if complete & ((tok - lead < NUM_HEADS) if RUN_HEADS else (tok == lead)):
+                if complete & (tok - lead < NUM_HEADS):
                     first = tl.multiple_of(off - off % RUN, RUN)  # said: the stores vectorize
                     run_at = v_cache_ptr + blk * stride_vcb + first * stride_vcs
                     _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at,
                                  stride_vch, stride_vcd, tok - lead, NUM_HEADS, HEAD_DIM,
-                                 BLOCK_D, SCALED, RUN_HEADS)
+                                 BLOCK_D, SCALED)
                 heads = tl.where((slot >= 0) & (complete == 0), NUM_HEADS, 0)
                 v_mask = (offs_h[:, None] < heads) & (offs_d[None, :] < HEAD_DIM)
                 if late:
@@ -154,9 +134,7 @@ def _rope_store_kernel(
     HAS_NORM: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
-    V_T: tl.constexpr = False, K_PLANE: tl.constexpr = False,
-    RUN_STORE: tl.constexpr = False, PDL: tl.constexpr = False, V_APART: tl.constexpr = False,
-    RUN_HEADS: tl.constexpr = False,
+    V_T: tl.constexpr = False, PDL: tl.constexpr = False, V_APART: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     # program (token, 0) rotates the token's q heads; (token, 1) its k heads, then stores the
@@ -181,8 +159,8 @@ def _rope_store_kernel(
                 stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
                 stride_kcb, stride_kcs, stride_kch, stride_kcd,
                 stride_vcb, stride_vcs, stride_vch, stride_vcd,
-                NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T, K_PLANE,
-                RUN_STORE, part if V_APART else 0, RUN_HEADS,
+                NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T,
+                part if V_APART else 0,
             )
 
 
@@ -213,11 +191,11 @@ def qk_norm_rope_store(
 
 
 def v_apart(num_tokens: int, v_t: bool) -> bool:
-    """Whether qk_norm_rope_store stores a launch's V from programs of their own (V_APART):
-    by its number of tokens, so a captured graph replays the same grid, over a V cache
+    """Whether qk_norm_rope_store stores a launch's V from programs of their own: by its
+    number of tokens (V_APART_MAX_TOKENS), so a captured graph replays the same grid, over a V cache
     stored transposed (`v_t`, the store's V_T flag: an fp8 one; a bf16 decode step's store
     measured 2.7 us apart against 2.4)."""
-    return V_APART and num_tokens <= V_APART_MAX_TOKENS and v_t
+    return num_tokens <= V_APART_MAX_TOKENS and v_t
 
 
 def store_kv(
@@ -246,9 +224,7 @@ def _store_consts(k: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
     flags = _fp8_flags(k_cache, v_cache, head_dim)
     return dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                 BLOCK_H=triton.next_power_of_2(num_heads),
-                BLOCK_D=triton.next_power_of_2(head_dim),
-                RUN_STORE=RUN_STORES and flags["FP8"] and flags["V_T"], RUN_HEADS=RUN_HEADS,
-                **flags)
+                BLOCK_D=triton.next_power_of_2(head_dim), **flags)
 
 
 def _fp8_flags(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
@@ -256,16 +232,15 @@ def _fp8_flags(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
     """The cache format's kernel flags. A cache of bytes holds float8 e4m3
     (kv_cache_dtype="fp8"); one wider than head_dim holds each token-head's float32 scale
     after its values (torch_attention's format); V_T: the V cache is stored transposed
-    within each block (worker/kv_cache.py); K_PLANE: the K cache keeps each block-head's
-    scales in a plane after its values (torch_attention.k_scale_plane; only beside a
-    transposed V, whose kernels read K by blocks). With the attention's query `q`: FP8_ASM,
-    whether the tiles are converted by PTX into float16 and the dots run in float16 (a
-    bf16/fp16 query on a GPU; see _load_kv_tile)."""
+    within each block (worker/kv_cache.py), and then the K cache keeps each block-head's
+    scales in a plane after its values (torch_attention.k_scale_plane). With the attention's
+    query `q`: FP8_ASM, whether the tiles are converted by PTX into float16 and the dots run
+    in float16 (a bf16/fp16 query on a GPU; see _load_kv_tile)."""
     fp8 = k_cache.dtype == torch.uint8
     flags = dict(FP8=fp8, SCALED=fp8 and k_cache.shape[-1] > head_dim,
-                 V_T=v_transposed(v_cache), K_PLANE=k_scale_plane(k_cache))
-    if flags["K_PLANE"] and not flags["V_T"]:
-        raise ValueError("a K cache with a scale plane needs a V cache stored transposed")
+                 V_T=v_transposed(v_cache))
+    if flags["V_T"] != k_scale_plane(k_cache):
+        raise ValueError("a V cache stored transposed goes with a K cache with a scale plane")
     if q is not None:
         flags["FP8_ASM"] = fp8 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     return flags

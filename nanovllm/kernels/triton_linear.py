@@ -11,7 +11,7 @@ reads its input (triton_ops.add_rms_norm), so the split costs no launch of its o
 
 `split_k_linear` returns a `SplitK` (the partials) or None where a split does not pay (more
 rows than the table below, or a shape it does not divide): the caller then runs its plain
-matmul. `small_linear` (SMALL_GEMMS) runs the same kernel unsplit for the other two
+matmul. `small_linear` runs the same kernel unsplit for the other two
 projections, qkv and gate_up, at up to 64 rows, into their plain output. Only the Triton ops
 understand a SplitK; kernels.select_kernels gives both functions to an engine only with them.
 """
@@ -30,17 +30,12 @@ from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 # over cuBLAS and the norm); above the last row count, cuBLAS
 TILES = ((16, (16, 64, 64, 4)), (128, (64, 64, 64, 4)), (256, (64, 128, 64, 3)))
 MAX_SPLITS = 8
-# qkv_proj and gate_up_proj, which cuBLAS runs in a one-rank GPU step, at up to SMALL_TILES'
-# last row count by _split_k_kernel unsplit into the activations' dtype (`small_linear`), a
-# programmatic dependent launch: it launches during the RMSNorm before it, and the RoPE +
-# store or SiLU after it launches early behind it, where behind a cuBLAS kernel each starts
-# cold. On the H200 (BENCHMARKS.md, twenty-first session): a layer's norm -> projection ->
-# SiLU chain 1.01-1.18x over cuBLAS at 1-64 rows (0.92x at 128), the seed workload 1.005x
-# (fp8, 6 of 6 pairs) and 1.006x (bf16, 3 of 3); a kernel that read its weights before its
-# PDL wait ran the chain 0.94x at 1 row, 0.41x at 64. `benchmarks/offline.py
-# --no-small-gemms` turns it off; `benchmarks/blas.py --chain` times the chains
-SMALL_GEMMS = True
-# rows -> (block_m, block_n, block_k, stages) of small_linear, whole contraction a program
+# qkv_proj and gate_up_proj at up to SMALL_TILES' last row count run _split_k_kernel
+# unsplit into the activations' dtype (`small_linear`) as a programmatic dependent launch:
+# it launches during the RMSNorm before it, and the RoPE + store or SiLU after it launches
+# early behind it, where behind a cuBLAS kernel each starts cold (`benchmarks/blas.py
+# --chain` times the chains). rows -> (block_m, block_n, block_k, stages), whole
+# contraction a program
 SMALL_TILES = ((16, (16, 32, 128, 4)), (64, (64, 32, 128, 3)))
 # the longest contraction it takes: measured at Qwen3-0.6B's 1,024 only; a program reads its
 # columns' whole contraction, so a larger model's (8B: 4,096) keeps cuBLAS until measured
@@ -145,9 +140,9 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] @ weight [N, K]^T in x's dtype by one launch of _split_k_kernel unsplit, for
-    steps of few rows (SMALL_GEMMS); None where the switch is off, M is above SMALL_TILES'
-    last row count, K above SMALL_MAX_K, or the shapes do not divide into its tile."""
-    if not SMALL_GEMMS or weight.shape[1] > SMALL_MAX_K:
+    steps of few rows; None where M is above SMALL_TILES' last row count, K above
+    SMALL_MAX_K, or the shapes do not divide into its tile."""
+    if weight.shape[1] > SMALL_MAX_K:
         return None
     shapes = _tile(x, weight, SMALL_TILES, narrow_k=True)
     if shapes is None:

@@ -9,11 +9,8 @@ visible, then lets the next kernel launch. Nothing is read or written before the
 the order of the kernels' memory effects is the stream's. A kernel after a non-PDL one (a
 cuBLAS matmul) simply starts when it ends, as before.
 
-On by default: on the H200 the seed workload gained 1.0095x with an fp8 cache (three
-alternating rounds, each the same way) and 1.000x with bf16 (BENCHMARKS.md, tenth
-session; `scripts/gpu_plan.sh pdl`). `benchmarks/offline.py --no-pdl` turns it off. CPU
-tensors, the interpreter, GPUs before sm_90 and a Triton without dependent launches
-(`triton_has_pdl`) never take it.
+CPU tensors, the interpreter, GPUs before sm_90 and a Triton without dependent launches
+(`triton_has_pdl`) launch the kernels plainly.
 """
 
 import functools
@@ -21,8 +18,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-
-PDL = True
 
 
 @triton.jit
@@ -36,9 +31,8 @@ def pdl_enter(PDL: tl.constexpr):
 
 def pdl_launch(t: torch.Tensor) -> dict:
     """The launch arguments of a kernel over `t`'s device: `PDL` for the kernel's
-    pdl_enter, and Triton's `launch_pdl` where PDL is on and both the device and this
-    Triton have it."""
-    on = PDL and t.is_cuda and triton_has_pdl() and _has_pdl(t.device)
+    pdl_enter, and Triton's `launch_pdl` where both the device and this Triton have it."""
+    on = t.is_cuda and triton_has_pdl() and _has_pdl(t.device)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 

@@ -7,22 +7,18 @@ diagonal. A launch bakes in T (= q.shape[0]), num_rows, the heads, head_dim, blo
 dtype, BLOCK_Q (from meta.max_query_len) and the tile config; where each row's tokens lie
 is found on the device (`_prefill_kernel`), so no lengths are read on the host.
 
-`fresh` (kernels.FRESH_PREFILL): a row's own positions come from this step's K/V as
-computed and only the earlier ones from the cache (`_prefill_fresh`). `fp8_attention`: q
-(and P) in e4m3 on the fp8 tensor cores (`FP8_MMA`, `_softmax_step_fp8`).
+`fresh` (over an fp8 cache): a row's own positions come from this step's K/V as computed
+and only the earlier ones from the cache (`_prefill_fresh`), so a chunk reads its own
+values unrounded.
 """
-
-import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
-from nanovllm.kernels.triton_e4m3 import _rows_to_e4m3
 from nanovllm.kernels.triton_kv_store import _fp8_flags
 from nanovllm.kernels.triton_tiles import (
-    FP8_MMA_TILE,
     NEG_BIG,
     TileConfig,
     _block_n,
@@ -30,7 +26,6 @@ from nanovllm.kernels.triton_tiles import (
     _load_tiles,
     _pow2,
     _softmax_step,
-    _softmax_step_fp8,
     _to_f16,
 )
 
@@ -140,11 +135,8 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
-    V_T: tl.constexpr = False, FP8_MMA: tl.constexpr = False, FP8_P: tl.constexpr = False,
-    EXACT: tl.constexpr = False, K_PLANE: tl.constexpr = False, FRESH: tl.constexpr = False,
+    V_T: tl.constexpr = False, FRESH: tl.constexpr = False,
 ):
-    # FP8_MMA (fp8_attention, over a transposed V cache): q in e4m3, a scale per row, and
-    # the tiles' bytes as they are go to the fp8 tensor cores (_softmax_step_fp8).
     # FRESH (paged_attention's `fresh`): the row's own positions (prefix ..) come from this
     # step's K/V as computed, kn/vn [T, Hkv, D] in q's dtype, and only the earlier ones from
     # the cache (_prefill_fresh)
@@ -193,7 +185,7 @@ def _prefill_kernel(
     kv_end = prefix + tl.minimum(t0 + BLOCK_Q, q_len)
     # tiles wholly at or before the tile's first query position need no mask at all
     full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, kv_end)
-    if FRESH:  # (not with FP8_MMA: paged_attention drops `fresh` for fp8_attention)
+    if FRESH:
         # the row's own positions from this step's K/V, then the cache's before them only
         # (their causal mask below always holds)
         acc, m_i, l_i = _prefill_fresh(
@@ -202,10 +194,7 @@ def _prefill_kernel(
             stride_vnd, BLOCK_Q, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
         kv_end = prefix
         full_end = prefix // BLOCK_N * BLOCK_N
-    if FP8_MMA:
-        q, q_scale = _rows_to_e4m3(q, EXACT)
-        row_scale = q_scale * scale_log2
-    elif FP8_ASM:  # an fp8 cache is read into float16 (see _load_kv_tile)
+    if FP8_ASM:  # an fp8 cache is read into float16 (see _load_kv_tile)
         q = _to_f16(q)
     elif not FP8:  # or into the query's dtype
         q = q.to(k_cache_ptr.dtype.element_ty)
@@ -216,13 +205,9 @@ def _prefill_kernel(
             offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, FP8, SCALED, q.dtype,
-            q_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
-        if FP8_MMA:
-            acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
-                                              row_scale, False, SCALED, FP8_P, EXACT)
-        else:
-            acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
-                                          scale_log2, False, SCALED, DOT_PRECISION)
+            q_ptr.dtype.element_ty, FP8_ASM, V_T, False)
+        acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
+                                      scale_log2, False, SCALED, DOT_PRECISION)
     # diagonal tiles: causal mask, and the context end (kv_end <= ctx) for the last one
     for start in range(full_end, kv_end, BLOCK_N):
         pos = start + offs_n
@@ -231,14 +216,10 @@ def _prefill_kernel(
             k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, kv_end, kv_head, offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
-            q_ptr.dtype.element_ty, FP8_ASM, V_T, False, K_PLANE)
+            q_ptr.dtype.element_ty, FP8_ASM, V_T, False)
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        if FP8_MMA:
-            acc, m_i, l_i = _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i,
-                                              allowed, row_scale, True, SCALED, FP8_P, EXACT)
-        else:
-            acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed,
-                                          scale_log2, True, SCALED, DOT_PRECISION)
+        acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed,
+                                      scale_log2, True, SCALED, DOT_PRECISION)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_off[:, None] * stride_ot + heads[:, None] * stride_oh
@@ -247,7 +228,7 @@ def _prefill_kernel(
 
 
 def launch_prefill(q, k_cache, v_cache, out, scale_log2: float, meta: AttentionMetadata,
-                   cfg: TileConfig | None = None, fp8_attention: str = "off",
+                   cfg: TileConfig | None = None,
                    fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
                    skip_decode: bool = False) -> None:
     """The attention of meta's rows of several query tokens into `out`
@@ -258,25 +239,17 @@ def launch_prefill(q, k_cache, v_cache, out, scale_log2: float, meta: AttentionM
     num_rows = meta.context_lens.shape[0]
     group = num_q_heads // num_kv_heads
     flags = _fp8_flags(k_cache, v_cache, head_dim, q)
-    if fp8_attention != "off":
-        fresh = None
     # an fp8 cache's tiles with `fresh` too (on the H200 a seed prefill step 0.236 ms against
     # 0.261 with a bf16 cache's, a chunk of 8 x 512 after 1,536 0.291 against 0.396)
     cfg = cfg or default_prefill_config(head_dim, meta.max_query_len, group, q.dtype,
                                         fp8=flags["FP8"])
-    if fp8_attention != "off":  # q (and P) in e4m3, over tiles of FP8_MMA_TILE positions
-        if not (flags["FP8"] and flags["V_T"]) or k_cache.shape[1] % FP8_MMA_TILE:
-            raise ValueError("fp8_attention needs an fp8 cache with V transposed, in blocks "
-                             f"of a multiple of {FP8_MMA_TILE} tokens")
-        cfg = dataclasses.replace(cfg, block_n=FP8_MMA_TILE)
-        flags |= dict(FP8_MMA=True, FP8_P=fp8_attention == "qp", EXACT=not q.is_cuda)
     block_g = _pow2(group)
     if cfg.block_m % block_g or cfg.block_m < 16:
         raise ValueError(f"block_m={cfg.block_m} must be >= 16 and a multiple of {block_g}")
     block_q = cfg.block_m // block_g
     grid = (num_tokens // block_q + num_rows, num_kv_heads)
     if fresh is None:
-        kn = vn = q  # unread (FRESH off)
+        kn = vn = q  # unread
         fresh_strides = (0,) * 6
     else:
         kn, vn = fresh

@@ -1,9 +1,9 @@
-"""The decode rows longest first: paged_attention's `longest_first` order, ranked on the
-device once per step.
+"""The decode rows longest first, ranked on the device once per step by one launch of B
+small programs (torch's sort is a radix sort of several launches).
 
-With the order the decode grid is (kv head x split, row slot) and slot i runs the i-th
-longest row (triton_decode.py, triton_fp8_decode.py): the GPU starts programs in grid order,
-so no long row starts last and runs alone at the end (LPT order).
+The decode grid is (kv head x split, row slot) and slot i runs the i-th longest row
+(triton_decode.py): the GPU starts programs in grid order, so no long row starts last and
+runs alone at the end (LPT order).
 """
 
 import torch
@@ -13,29 +13,19 @@ import triton.language as tl
 from nanovllm.kernels.attention_metadata import AttentionMetadata
 from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
 
-# decode programs of the longest contexts start first (paged_attention's `longest_first`):
-# on the H200 the seed's ragged decode contexts read at 1.01 of copy bandwidth with it, 0.88
-# without, and the seed workload runs 1.05x faster (BENCHMARKS.md)
-LONGEST_FIRST = True
-# the longest-first order ranked by one launch of B small programs (_rank_kernel); off,
-# torch's argsort (a radix sort of several launches, 18 us a step at 256 rows on the H200)
-RANK_KERNEL = True
 RANK_BLOCK = 128  # rows a _rank_kernel program compares at a time
 
 
-def _longest_first(meta: AttentionMetadata) -> torch.Tensor:
+def longest_first(meta: AttentionMetadata) -> torch.Tensor:
     """The rows by context length, longest first, ties in row order ([B] int32), ranked on
     the device once per step (every layer shares it; a CUDA graph replays the launch)."""
     order = meta.derived.get("longest_first")
     if order is None:
         lens = meta.context_lens
-        if not RANK_KERNEL:
-            order = torch.sort(lens, descending=True, stable=True).indices.to(torch.int32)
-        else:
-            order = torch.empty(lens.shape[0], dtype=torch.int32, device=lens.device)
-            if lens.shape[0]:
-                _rank_kernel[(lens.shape[0],)](lens, order, lens.shape[0], BLOCK=RANK_BLOCK,
-                                               num_warps=4, **pdl_launch(lens))
+        order = torch.empty(lens.shape[0], dtype=torch.int32, device=lens.device)
+        if lens.shape[0]:
+            _rank_kernel[(lens.shape[0],)](lens, order, lens.shape[0], BLOCK=RANK_BLOCK,
+                                           num_warps=4, **pdl_launch(lens))
         meta.derived["longest_first"] = order
     return order
 
@@ -43,7 +33,7 @@ def _longest_first(meta: AttentionMetadata) -> torch.Tensor:
 @triton.jit(do_not_specialize=["num_rows"])  # see triton_tiles' _NO_RESPECIALIZE
 def _rank_kernel(ctx_ptr, order_ptr, num_rows, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     # program i puts row i at its place: the rows with longer contexts, and the rows before it
-    # with as long a one, go ahead of it (RANK_KERNEL). The rows are counted BLOCK at a time,
+    # with as long a one, go ahead of it. The rows are counted BLOCK at a time,
     # so one compiled variant serves every row count.
     pdl_enter(PDL)
     i = tl.program_id(0)

@@ -17,8 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.triton_e4m3 import _to_e4m3
-
 LOG2E = 1.4426950408889634
 # a finite "minus infinity" for running maxima, so a row that has seen no key yet gives
 # exp2(m_old - m_new) = 1 instead of exp2(-inf + inf) = NaN
@@ -26,9 +24,6 @@ NEG_BIG = tl.constexpr(-1.0e30)
 # _NO_RESPECIALIZE: Triton compiles a variant per integer argument that is 1 or divisible by
 # 16; arguments that change from step to step (row and split counts) are kept generic, so
 # a step of a new size never compiles a kernel in the middle of serving
-# fp8_attention's tiles, prefill and decode: its numerics round P against each tile's running
-# maximum, so both kernels and torch_attention.fp8_decode_reference share the tile
-FP8_MMA_TILE = 128
 
 
 @dataclass(frozen=True)
@@ -171,16 +166,16 @@ def _load_block_tile(
     stride_b, stride_s, stride_h, stride_d,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
     SCALED: tl.constexpr, COMPUTE: tl.constexpr, V_T: tl.constexpr, SKIP: tl.constexpr,
-    K_PLANE: tl.constexpr = False,
 ):
     # -> (tile in COMPUTE, scale [N]) of an fp8 cache whose tile of positions
-    # start .. start + N - 1 lies in one block: K^T [D, N] from K's rows of positions, or,
+    # start .. start + N - 1 lies in one block: K^T [D, N] from K's head-major rows of
+    # positions (its scales in the block-head's plane after the values), or,
     # V_T, V [N, D] from a V cache stored transposed within each block (worker/kv_cache.py),
     # a head's block [width, BLOCK_SIZE] bytes with positions contiguous. Either way the
     # tile is contiguous along the dimension its dot contracts (D for q @ K^T, positions for
     # P @ V), so its bytes cross shared memory once and are converted in registers; and one
     # table entry gives the block, so the addresses are affine and load as 16-byte vectors.
-    # MASKED and SKIP (SKIP_PAST_END; a tile the context ends in, `valid` = positions before
+    # MASKED and SKIP (a decode's tile the context ends in, `valid` = positions before
     # `end`): the positions past `end` are not read, K's row by row and V's 16 at a time
     # (a mask per position would split V's 16-byte vectors), the last tile of a row being
     # on average half past its end. The positions read past it (V's in the vector holding
@@ -218,13 +213,10 @@ def _load_block_tile(
                 bits = bits | (_load_masked(base + (HEAD_DIM + j) * stride_d, valid,
                                             MASKED and SKIP).to(tl.int32) << (8 * j))
             scale = bits.to(tl.float32, bitcast=True)
-        elif K_PLANE:  # the block-head's plane of float32 scales after its values
+        else:  # the block-head's plane of float32 scales after its values
             first = tl.multiple_of(start % BLOCK_SIZE, offs_n.shape[0])
             plane = (tile_at + (BLOCK_SIZE - first) * stride_s).to(tl.pointer_type(tl.float32))
             scale = _load_masked(plane + first + offs_n, valid, MASKED and SKIP)
-        else:  # after the position's values
-            scale = _load_masked((base + HEAD_DIM * stride_d).to(tl.pointer_type(tl.float32)),
-                                 valid, MASKED and SKIP)
         if MASKED:
             scale = tl.where(valid, scale, 0.0)
     else:
@@ -239,14 +231,13 @@ def _load_tiles(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr, COMPUTE: tl.constexpr,
     Q_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr, V_T: tl.constexpr, SKIP: tl.constexpr,
-    K_PLANE: tl.constexpr = False,
 ):
     # -> (K^T [D, N], its scales, V [N, D], its scales) of the tile of positions start + offs_n
     if V_T:  # an fp8 cache, V transposed: each tile in one block (see _load_block_tile)
         k, k_scale = _load_block_tile(k_cache_ptr, bt_row, start, offs_n, valid, end, kv_head,
                                       offs_d, stride_kb, stride_ks, stride_kh, stride_kd,
                                       BLOCK_SIZE, HEAD_DIM, MASKED, SCALED, COMPUTE, False,
-                                      SKIP, K_PLANE)
+                                      SKIP)
         v, v_scale = _load_block_tile(v_cache_ptr, bt_row, start, offs_n, valid, end, kv_head,
                                       offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
                                       BLOCK_SIZE, HEAD_DIM, MASKED, SCALED, COMPUTE, True,
@@ -295,33 +286,4 @@ def _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed, scale_log2,
     else:
         pv = p.to(v.dtype)
     acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _softmax_step_fp8(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed, row_scale,
-                      MASKED: tl.constexpr, SCALED: tl.constexpr, FP8_P: tl.constexpr,
-                      EXACT: tl.constexpr):
-    # _softmax_step for fp8_attention (torch_attention.fp8_decode_reference states it): q
-    # [M, D], K^T and V in e4m3 on the tensor cores; row_scale [M]: q's scale per row times
-    # scale * log2(e). FP8_P: P times the V scales over each row's largest in the tile, in
-    # e4m3; else P times the V scales in float16, V converted
-    s = tl.dot(q, k) * row_scale[:, None]
-    if SCALED:
-        s = s * k_scale[None, :]
-    if MASKED:
-        s = tl.where(allowed, s, float("-inf"))
-    m_new, alpha, p, l_i = _online_softmax(s, m_i, l_i)
-    if SCALED:
-        w = v_scale[None, :] + tl.zeros_like(p)
-    else:
-        w = tl.full(p.shape, 1.0, tl.float32)
-    if MASKED:
-        w = tl.where(allowed, w, 0.0)
-    if FP8_P:
-        w_max = tl.maximum(tl.max(w, 1), 1e-30)
-        pv = tl.dot(_to_e4m3(p * w / w_max[:, None], EXACT), v) * w_max[:, None]
-    else:
-        pv = tl.dot((p * w).to(tl.float16), v.to(tl.float16))
-    acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i

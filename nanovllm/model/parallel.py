@@ -17,61 +17,15 @@ import torch.distributed as dist
 
 from nanovllm.core.errors import ConfigError
 
-ONE_SHOT_MAX_BYTES = 8 << 20  # larger all-reduces (prefill steps) go to NCCL
-
-
-class OneShotAllReduce:
-    """A sum over the ranks in one kernel through torch.distributed's symmetric memory: each
-    rank copies its tensor into a buffer every rank can address (over NVLink), waits for the
-    others, reads every copy and adds them up, in rank order on every rank. For the small
-    tensors of decode steps this is one launch and one peer read where NCCL runs a ring
-    protocol (vLLM's custom all-reduce does the same with its own kernel).
-
-    Built on every rank at the same point (the rendezvous is collective) and before CUDA
-    graphs are captured; tensors of another dtype, over `max_bytes` or not 16-byte sized
-    go to NCCL."""
-
-    def __init__(self, group, dtype: torch.dtype, device: torch.device,
-                 max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.name = group.group_name
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # torch < 2.9 needs it; later ones take every group
-            enable(self.name)
-        self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buffer, self.name)
-        ops = torch.ops.symm_mem
-        self._copy_reduce = getattr(ops, "one_shot_all_reduce_copy", None)
-        self._reduce = ops.one_shot_all_reduce
-
-    def fits(self, x: torch.Tensor) -> bool:
-        # 16-byte sizes and offset 0: the kernel's vector width must be the buffer's
-        return (x.dtype == self.buffer.dtype and x.numel() <= self.buffer.numel()
-                and x.is_contiguous() and x.storage_offset() == 0
-                and x.numel() * x.element_size() % 16 == 0)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's `x` (a new tensor)."""
-        buf = self.buffer[: x.numel()]
-        if self._copy_reduce is not None:  # the copy into the buffer is in the kernel
-            out = self._copy_reduce(buf, x.view(-1), "sum", self.name)
-        else:
-            buf.copy_(x.view(-1))
-            out = self._reduce(buf, "sum", self.name)
-        return out.view(x.shape)
-
 
 @dataclass(frozen=True)
 class TensorParallel:
     """This rank's place in a tensor-parallel group; `group` is the torch.distributed
-    process group the collectives run on (None when size == 1, or in loading tests);
-    `one_shot` sums the tensors it fits (all_reduce="symm_mem"), NCCL the rest."""
+    process group the collectives run on (None when size == 1, or in loading tests)."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
-    one_shot: OneShotAllReduce | None = None
 
     def split(self, total: int, what: str) -> tuple[int, int]:
         """(start, length) of this rank's equal share of `total` items."""
@@ -102,10 +56,8 @@ class TensorParallel:
         return self.rank * rows, rows
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's `x`: `x` itself, reduced in place, or a new tensor."""
+        """The sum of every rank's `x`: `x` itself, reduced in place."""
         if self.size > 1:
-            if self.one_shot is not None and self.one_shot.fits(x):
-                return self.one_shot(x)
             dist.all_reduce(x, group=self.group)
         return x
 

@@ -20,16 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanovllm.core.config import ResolvedConfig
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import PLACEHOLDER
 from nanovllm.kernels.attention_metadata import AttentionMetadata
-
-
-def buffer_rows(config: ResolvedConfig) -> int:
-    """Rows a step's buffers hold: every sequence of a batch, and with mixed-step CUDA
-    graphs the padding row that takes a padded step's extra tokens."""
-    return config.max_num_seqs + (1 if config.mixed_graphs else 0)
 
 
 @dataclass
@@ -120,16 +113,12 @@ class InputBuffers:
 
     def prepare(
         self, batch: ScheduledBatch, pad_rows: int = 0, prev_rows: dict[int, int] | None = None,
-        temperatures: list[float] | None = None, pad_tokens: int = 0,
+        temperatures: list[float] | None = None,
     ) -> StepInputs:
         """Write `batch` into the next host set and queue its copy to the device.
 
         `pad_rows` > rows pads a decode batch up to a CUDA graph's batch size: padding rows
-        have one token, slot -1 and context 0. With `pad_tokens` (a prefill+decode step
-        padded up to a mixed graph's token count, rows up to `pad_rows`), the first padding
-        row holds the extra tokens, with slot -1 and context 0 (it attends to nothing and
-        writes nothing), the others none; unused sampling rows point at token 0, as the
-        graph computes logits for every row. `prev_rows` maps a sequence id to its row in
+        have one token, slot -1 and context 0. `prev_rows` maps a sequence id to its row in
         the previous step's sampled tokens (needed when the batch has placeholders).
         `temperatures` (one per sampling row) ride along in the same copy.
         """
@@ -191,14 +180,7 @@ class InputBuffers:
             live = {seq.seq_id for seq in seqs}
             self._tables = {k: v for k, v in self._tables.items() if k in live}
         t, s, p = len(input_ids), len(logits_indices), len(ph_pos)
-        pad = padded - r  # padding rows: one token each, or (pad_tokens) all in the first
-        if pad_tokens:
-            if pad < 1 or pad_tokens < t:
-                raise ValueError(f"cannot pad {t} tokens / {r} rows to {pad_tokens} / {padded}")
-            pad_lens = [pad_tokens - t] + [0] * (pad - 1)
-        else:
-            pad_lens = [1] * pad
-        extra = sum(pad_lens)
+        pad = extra = padded - r  # padding rows: one token each
         if t + extra > T or padded > R:
             raise ValueError(f"a step of {t + extra} tokens / {padded} rows exceeds the buffers")
         h64[:t] = input_ids
@@ -217,14 +199,12 @@ class InputBuffers:
             h64[T + t : T + t + extra] = 0
             h64[2 * T + t : 2 * T + t + extra] = -1
             h32[R + 1 + r : R + 1 + padded] = 0
-        if pad_tokens:
-            h64[3 * T + s : 3 * T + R] = 0
         max_query_len = max(query_lens)
-        if max_query_len == 1 and not pad_tokens:
+        if max_query_len == 1:
             h32[: padded + 1] = self._arange[: padded + 1]
         else:
             h32[1 : r + 1] = np.cumsum(query_lens)
-            h32[r + 1 : padded + 1] = t + np.cumsum(pad_lens)
+            h32[r + 1 : padded + 1] = t + np.arange(1, pad + 1)
 
         if self.cuda:
             # the int64 copy always spans the fixed regions; ~400 KB at the default budget
@@ -236,7 +216,7 @@ class InputBuffers:
             event.record()
             self.events[k] = event
         return self.received(t + extra, s, padded, max_query_len, max(context_lens),
-                             query_lens + pad_lens, context_lens + [0] * pad, p, ph_seq,
+                             query_lens + [1] * pad, context_lens + [0] * pad, p, ph_seq,
                              temperatures is not None)
 
     def _table_row(self, seq_id: int, table: list[int]) -> np.ndarray:

@@ -21,21 +21,6 @@ from nanovllm.model.config import ModelConfig
 log = logging.getLogger("nanovllm")
 
 CPU_KV_CACHE_GIB = 2.0  # the CPU's default budget (kv_cache_gib overrides it)
-# an fp8 V cache transposed within each block (KVCache.bind); blocks of a power of 2 >= 16
-# tokens, so a KV tile of 16 or more positions lies in one block
-FP8_V_TRANSPOSED = True
-# an fp8 K cache head-major within each block (KVCache.bind): a decode program's K rows of a
-# block are one contiguous run instead of rows interleaved with the other heads'. The H200's
-# fp8 decode ran 1.02-1.04x faster over it (benchmarks/attention.py --kv-layouts), the seed
-# workload (its store included) 1.01x (scripts/gpu_plan.sh klayout; BENCHMARKS.md)
-FP8_K_HEAD_MAJOR = True
-# an fp8 K cache, head-major, with each block-head's float32 scales in a plane after its
-# values ([block_size, head_dim] value bytes, then [block_size] scales) instead of after each
-# row: a decode tile then reads 132 bytes a position instead of the padded row's 144, K and V
-# 264 instead of 276 (kernels/torch_attention.py k_scale_plane). The decode attention ran
-# 1.06x faster over it, the seed workload 1.03x in three rounds, 1.045x with the prefill's
-# run stores (triton_kv_store.RUN_STORES; scripts/gpu_plan.sh layouts; BENCHMARKS.md)
-FP8_K_SCALE_PLANE = True
 
 
 @dataclass(frozen=True)
@@ -43,20 +28,18 @@ class KVFormat:
     """How one token's K (or V) of one head is stored: `width` elements of `dtype`.
 
     The model's dtype with width head_dim, or for kv_cache_dtype="fp8" bytes (uint8) holding
-    float8 e4m3 values: width head_dim with one static scale of 1 (kv_cache_scales="tensor"),
-    or `fp8_width` bytes where the 4 after the values are the float32 scale of that token and
-    head ("token", chosen per token as its amax / 448), padded to 16 bytes. The kernels tell
-    the formats apart by the cache's dtype and width (kernels/torch_attention.py)."""
+    float8 e4m3 values: `fp8_width` bytes where the 4 after the values are the float32 scale
+    of that token and head (its amax / 448), padded to 16 bytes. The kernels tell the
+    formats apart by the cache's dtype (kernels/torch_attention.py)."""
 
     dtype: torch.dtype
     width: int
 
     @classmethod
-    def of(cls, kv_cache_dtype: str, scales: str, model_dtype: torch.dtype,
-           head_dim: int) -> "KVFormat":
+    def of(cls, kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int) -> "KVFormat":
         if kv_cache_dtype != "fp8":
             return cls(model_dtype, head_dim)
-        return cls(torch.uint8, fp8_width(head_dim, scales == "token"))
+        return cls(torch.uint8, fp8_width(head_dim))
 
     @property
     def bytes_per_head(self) -> int:
@@ -115,7 +98,7 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.head_dim = model.head_dim
         # an fp8 V cache is stored transposed within each block (see bind)
-        self.v_transposed = (FP8_V_TRANSPOSED and dtype == torch.uint8 and block_size >= 16
+        self.v_transposed = (dtype == torch.uint8 and block_size >= 16
                              and block_size & (block_size - 1) == 0)
         if device.type == "cpu":
             # anonymous mmap pages are zeroed by the OS when first touched: no 2 GiB memset
@@ -136,18 +119,19 @@ class KVCache:
         block_size] bytes, a row per dimension, the block's positions contiguous (its view
         has unit stride over slots). P @ V contracts over positions, and fp8 values laid out
         the other way reach the tensor cores only one byte per load or through a second
-        trip through shared memory (kernels/triton_tiles.py). With FP8_K_HEAD_MAJOR an fp8
-        K cache is head-major within each block too ([heads, block_size, width]; its view
-        keeps the [blocks, block_size, Hkv, width] shape), and with FP8_K_SCALE_PLANE its
-        scales in a plane after the values (torch_attention.k_scale_plane). The block keeps
-        its bytes and place, so the host tier copies it as any other."""
+        trip through shared memory (kernels/triton_tiles.py). Its K cache is head-major
+        within each block ([heads, block_size, width]; its view keeps the [blocks,
+        block_size, Hkv, width] shape), so a decode program's K rows of a block are one
+        contiguous run, with the scales in a plane after the values
+        (torch_attention.k_scale_plane), so a tile reads 132 bytes a position, not the
+        padded row's 144. The block keeps its bytes and place, so the host tier copies it as
+        any other."""
         for i, attn in enumerate(model.attention_layers()):
             k = self.tensor[0, i]
-            if self.v_transposed and FP8_K_HEAD_MAJOR:
+            if self.v_transposed:
                 nb, bs, heads, width = k.shape
                 k = k.view(nb, heads, bs, width).permute(0, 2, 1, 3)
-                if FP8_K_SCALE_PLANE and width >= self.head_dim + 4:
-                    k = scale_plane_view(k, self.head_dim)
+                k = scale_plane_view(k, self.head_dim)
             attn.k_cache = k
             v = self.tensor[1, i]
             if self.v_transposed:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanovllm.core.config import ResolvedConfig
-from nanovllm.worker.inputs import buffer_rows
 
 # header[0]
 STEP, CONTROL = 1, 2
@@ -26,7 +25,7 @@ INLINE_COPY_INTS = 64  # room for 32 (source, destination) pairs after the rows'
 def step_header_len(config: ResolvedConfig) -> int:
     """The header tensor's length once WorkerInit is through (before it: HEADER_LEN): room
     for every buffer row's two lengths and a few KV copies."""
-    return HEADER_LEN + 2 * buffer_rows(config) + INLINE_COPY_INTS
+    return HEADER_LEN + 2 * config.max_num_seqs + INLINE_COPY_INTS
 
 
 @dataclass(frozen=True)

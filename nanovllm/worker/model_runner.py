@@ -8,14 +8,12 @@ kernels), asked how many KV blocks fit (`measure_kv_blocks`), `setup` with the f
 """
 
 import dataclasses
-import gc
 import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
-from nanovllm import kernels as kernels_module
 from nanovllm.core.config import ResolvedConfig
 from nanovllm.core.host_tier import PreemptionCost
 from nanovllm.core.scheduler import ScheduledBatch
@@ -29,18 +27,13 @@ from nanovllm.model.models.registry import build_model
 from nanovllm.model.parallel import SINGLE, TensorParallel
 from nanovllm.worker.cpu_threads import CpuThreads
 from nanovllm.worker.host_pool import HostKVPool, measure_preemption_cost, plan_num_host_blocks
-from nanovllm.worker.inputs import InputBuffers, StepInputs, buffer_rows
+from nanovllm.worker.inputs import InputBuffers, StepInputs
 from nanovllm.worker.kv_cache import KVCache, KVFormat, plan_num_blocks
 from nanovllm.worker.sampling import StepSampler, logprob_dicts
 from nanovllm.worker.warmup import profile_activation_bytes, warm_up_kernels
 
 log = logging.getLogger("nanovllm")
 
-# after a GPU start-up: collect once and move what is left (~220,000 tracked objects for
-# Qwen3-0.6B) out of the collector's reach, so each full collection while serving scans only
-# the objects made since (gc.freeze). Off: one sample each way on the H200 (1.022x, a fresh
-# Triton cache) is not a measurement (BENCHMARKS.md, tenth session; gpu_plan.sh fresh)
-FREEZE_GC_AFTER_SETUP = False
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -86,8 +79,7 @@ class ModelRunner:
             model_config, num_attention_heads=heads, num_key_value_heads=kv_heads)
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
-        self.kv_format = KVFormat.of(config.kv_cache_dtype, config.kv_cache_scales, self.dtype,
-                                     model_config.head_dim)
+        self.kv_format = KVFormat.of(config.kv_cache_dtype, self.dtype, model_config.head_dim)
         # on a CPU without num_threads: as many threads as other processes leave cores
         self.cpu_threads = None
         if config.num_threads and self.device.type == "cpu":
@@ -95,11 +87,8 @@ class ModelRunner:
         elif self.device.type == "cpu":
             self.cpu_threads = CpuThreads.create()
         torch.manual_seed(config.seed)
-        # (fp8_attention's kernels read the cache only)
-        fresh = kernels_module.FRESH_PREFILL and config.kv_cache_dtype == "fp8" \
-            and config.fp8_attention == "off"
-        self.kernels = select_kernels(config.kernels, config.attention_backend,
-                                      config.fp8_attention, config.split_k, fresh)
+        self.kernels = select_kernels(config.kernels, config.attention_backend, config.split_k,
+                                      fresh_prefill=config.kv_cache_dtype == "fp8")
         start = time.perf_counter()
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -126,7 +115,6 @@ class ModelRunner:
         self.preemption_cost: PreemptionCost | None = None
         self.buffers: InputBuffers | None = None
         self.graphs = None
-        self.mixed_graphs = None
         self._token_ring: list[torch.Tensor] = []  # pinned homes of sampled tokens (CUDA)
         self._event_ring: list[torch.cuda.Event] = []
         self._ring_turn = 0
@@ -172,7 +160,7 @@ class ModelRunner:
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s)",
                  cfg.num_kv_blocks, cfg.block_size, cfg.kv_cache_tokens, self.kv_cache.gib,
                  cfg.dtype if cfg.kv_cache_dtype == "auto"
-                 else f"{cfg.kv_cache_dtype}, scales per {cfg.kv_cache_scales}")
+                 else f"{cfg.kv_cache_dtype}, a scale per token and head")
         if cfg.num_host_blocks:
             self.host_pool = HostKVPool(self.kv_cache, cfg.num_host_blocks)
             log.info("host KV tier: %d blocks, %.2f GiB (swap %g GiB, prefix offload %g GiB)",
@@ -188,7 +176,7 @@ class ModelRunner:
                          cost.swap_seconds(1) * 1e3,
                          cost.recompute_seconds(cfg.block_size) * 1e3)
         self.buffers = InputBuffers(
-            max(cfg.max_num_batched_tokens, cfg.max_num_seqs), buffer_rows(cfg),
+            max(cfg.max_num_batched_tokens, cfg.max_num_seqs), cfg.max_num_seqs,
             -(-cfg.max_model_len // cfg.block_size), cfg.block_size, self.device,
         )
         if self.device.type != "cuda":
@@ -202,24 +190,14 @@ class ModelRunner:
         warm_up_kernels(self)
         log.info("kernels warmed up in %.1f s", time.perf_counter() - start)
         if cfg.cuda_graphs:
-            from nanovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs
+            from nanovllm.worker.cuda_graph import DecodeGraphs
 
             start = time.perf_counter()
-            pool = None
-            if cfg.mixed_graphs:  # the larger graphs first: the decode ones share their pool
-                self.mixed_graphs = MixedGraphs(self.model, self.buffers,
-                                                cfg.max_num_batched_tokens, cfg.max_model_len)
-                pool = self.mixed_graphs.capture()
             self.graphs = DecodeGraphs(self.model, self.buffers, cfg.max_num_seqs,
                                        cfg.max_model_len)
-            self.graphs.capture(pool)
-            log.info("captured CUDA graphs for decode batch sizes %s%s in %.1f s",
-                     self.graphs.sizes,
-                     f" and mixed steps of {self.mixed_graphs.sizes} tokens"
-                     if self.mixed_graphs else "", time.perf_counter() - start)
-        if FREEZE_GC_AFTER_SETUP:
-            gc.collect()
-            gc.freeze()
+            self.graphs.capture()
+            log.info("captured CUDA graphs for decode batch sizes %s in %.1f s",
+                     self.graphs.sizes, time.perf_counter() - start)
 
     # ---- one step -------------------------------------------------------------------
 
@@ -248,17 +226,12 @@ class ModelRunner:
         if self.cpu_threads is not None:
             self.cpu_threads.update()
         seqs = batch.sampling_seqs
-        pad = pad_tokens = 0
-        tokens = batch.num_tokens
-        decode = tokens == len(batch.seqs)  # every row schedules at least one token
+        pad = 0
+        decode = batch.num_tokens == len(batch.seqs)  # every row schedules at least one token
         if decode and self.graphs is not None:
             pad = self.graphs.padded_size(len(batch.seqs)) or 0
-        elif not decode and self.mixed_graphs is not None:
-            pad_tokens = self.mixed_graphs.padded_size(tokens) or 0
-            pad = self.mixed_graphs.rows if pad_tokens else 0
         temps = self.sampler.one_pass_temperatures(seqs)
-        inputs = self.buffers.prepare(batch, pad, prev.rows if prev is not None else None, temps,
-                                      pad_tokens)
+        inputs = self.buffers.prepare(batch, pad, prev.rows if prev is not None else None, temps)
         self._fill_placeholders(inputs, prev)
         if self.peers is not None:
             self.peers.send_step(inputs, self.buffers, batch.copies_out, batch.copies_in)
@@ -299,9 +272,6 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and inputs.decode_only and inputs.padded_rows in graphs.graphs:
             return graphs.replay(inputs.padded_rows, inputs.num_sampling_rows)
-        mixed = self.mixed_graphs
-        if mixed is not None and mixed.serves(inputs):
-            return mixed.replay(inputs.input_ids.shape[0], inputs.num_sampling_rows)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.num_sampling_rows == 0:
             return hidden[:0]
@@ -349,5 +319,5 @@ class ModelRunner:
         """Drop the CUDA graphs (under tensor parallelism they hold NCCL work) before the
         process group goes; the runner runs eagerly after this."""
         if self.graphs is not None:
-            self.graphs = self.mixed_graphs = None
+            self.graphs = None
             torch.cuda.synchronize()

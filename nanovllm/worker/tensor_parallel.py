@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from nanovllm.core.config import ResolvedConfig
 from nanovllm.core.errors import ConfigError
+from nanovllm.model.parallel import TensorParallel
 from nanovllm.worker.inputs import StepInputs
 from nanovllm.worker.messages import (
     CONTROL,
@@ -52,7 +53,6 @@ from nanovllm.worker.tp_group import (  # noqa: F401 (RankFailedError: raised to
     join,
     leave_group,
     main_group,
-    model_parallel,
 )
 
 log = logging.getLogger("nanovllm")
@@ -96,7 +96,7 @@ class Peers:
             self.control(WorkerInit(model_path, config, frozenset(eos_token_ids)))
             self._header = torch.zeros(step_header_len(config), dtype=torch.int64)
             with self.busy_section():  # the step's tensors and the model's collectives
-                self.tp = model_parallel(config, 0, size, main_group(config, rdv.local_rank))
+                self.tp = TensorParallel(0, size, main_group(config, rdv.local_rank))
         except BaseException as e:
             self.dead = self.dead or f"start-up failed ({type(e).__name__}: {e})"
             self.shutdown()

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from nanovllm.core.config import ResolvedConfig
 from nanovllm.core.errors import ConfigError, NanoVLLMError
-from nanovllm.model.parallel import OneShotAllReduce, TensorParallel
 
 log = logging.getLogger("nanovllm")
 
@@ -81,17 +80,6 @@ def main_group(config: ResolvedConfig, local_rank: int):
         return dist.group.WORLD
     torch.cuda.set_device(local_rank)
     return dist.new_group(backend="nccl")
-
-
-def model_parallel(config: ResolvedConfig, rank: int, size: int, group) -> TensorParallel:
-    """This rank's TensorParallel for the model, with the symmetric-memory all-reduce when
-    the config asks for it (every rank builds it at the same point: its rendezvous is a
-    collective)."""
-    one_shot = None
-    if config.all_reduce == "symm_mem":
-        one_shot = OneShotAllReduce(group, getattr(torch, config.dtype),
-                                    torch.device("cuda", torch.cuda.current_device()))
-    return TensorParallel(rank, size, group, one_shot)
 
 
 def smallest(n: int) -> int:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.core.errors import ConfigError
+from nanovllm.model.parallel import TensorParallel
 from nanovllm.worker.messages import (
     CONTROL,
     HEADER_LEN,
@@ -28,7 +29,6 @@ from nanovllm.worker.tp_group import (
     join,
     leave_group,
     main_group,
-    model_parallel,
     smallest,
 )
 
@@ -88,7 +88,7 @@ def run_worker(rdv: Rendezvous | None = None) -> int:
             dist.broadcast_object_list(box, 0)
             match box[0]:
                 case WorkerInit(model=path, config=config, eos_token_ids=eos):
-                    tp = model_parallel(config, rdv.rank, rdv.world_size,
+                    tp = TensorParallel(rdv.rank, rdv.world_size,
                                         main_group(config, rdv.local_rank))
                     source = open_model(path)
                     runner = ModelRunner(config, source, ModelConfig.from_hf(source.hf_config),

@@ -2,7 +2,7 @@
 tests/core/test_scheduler*.py share."""
 
 from nanovllm.core.block_manager import BlockManager
-from nanovllm.core.config import ResolvedConfig
+from nanovllm.core.config import EngineConfig, ResolvedConfig
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.core.scheduler import PLACEHOLDER, Scheduler
 from nanovllm.core.sequence import FinishReason, Sequence, SequenceStatus
@@ -29,7 +29,13 @@ def make_scheduler(
     preemption_mode: str = "auto",
     cost=None,
 ) -> Scheduler:
+    asked = EngineConfig(
+        enable_prefix_caching=prefix_caching, scheduling_policy=policy,
+        admission_max_delay=admission_max_delay, admission_headroom=admission_headroom,
+        preemption_mode=preemption_mode,
+    )
     config = ResolvedConfig(
+        asked=asked,
         device="cpu",
         dtype="float32",
         max_model_len=max_model_len,
@@ -37,22 +43,14 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
         num_kv_blocks=num_blocks,
-        kv_cache_gib=None,
-        gpu_memory_utilization=0.9,
-        enable_prefix_caching=prefix_caching,
-        scheduling_policy=policy,
         admission_batch=admission_batch,
-        admission_max_delay=admission_max_delay,
         cuda_graphs=False,
         overlap=False,
         kernels="torch",
         attention_backend="torch",
-        seed=0,
         num_threads=None,
-        admission_headroom=admission_headroom,
         swap_space=1.0 if swap else 0.0,
         num_host_blocks=num_host_blocks,
-        preemption_mode=preemption_mode,
     )
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
                       num_host_blocks=num_host_blocks, offload=offload, cache_events=True)

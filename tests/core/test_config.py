@@ -70,16 +70,16 @@ def test_from_options_names_unknown_options():
 
 def test_resolved_summary_and_capacity():
     cfg = ResolvedConfig(
-        device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
-        max_num_batched_tokens=64, block_size=16, num_kv_blocks=10, kv_cache_gib=None,
-        gpu_memory_utilization=0.9, enable_prefix_caching=True, scheduling_policy="fair",
-        admission_batch=1, admission_max_delay=16, cuda_graphs=False, overlap=True,
-        kernels="torch", attention_backend="torch", seed=0, num_threads=None,
+        asked=EngineConfig(), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
+        max_num_batched_tokens=64, block_size=16, num_kv_blocks=10, admission_batch=1,
+        cuda_graphs=False, overlap=True, kernels="torch", attention_backend="torch",
+        num_threads=None,
     )
     assert cfg.kv_cache_tokens == 160
+    assert cfg.seed == 0 and cfg.scheduling_policy == "fair"  # read through from `asked`
     assert dataclasses.replace(cfg, num_kv_blocks=None).kv_cache_tokens == 0
     flipped = dataclasses.replace(cfg, cuda_graphs=True, overlap=False,
-                                  enable_prefix_caching=False).summary()
+                                  asked=EngineConfig(enable_prefix_caching=False)).summary()
     assert "cuda_graphs=on overlap=off" in flipped and "prefix_caching=off" in flipped
     line = cfg.summary()
     assert "\n" not in line
@@ -95,6 +95,7 @@ MESSAGES = [
     (dict(scheduling_policy="lifo"),
      "scheduling_policy='lifo' is invalid: choose one of fair, prefill_first"),
     (dict(max_num_seqs=0), "max_num_seqs=0 is invalid: use an integer >= 1"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size=0 is invalid: use an integer >= 1"),
     (dict(max_num_seqs=4, max_num_batched_tokens=64, admission_batch=5),
      "admission_batch=5 is invalid: use an integer in [1, max_num_seqs=4]"),
     (dict(admission_max_delay=-1),
@@ -108,11 +109,13 @@ MESSAGES = [
     (dict(kv_cache_gib=-1.0), "kv_cache_gib=-1.0 is invalid: use a positive size in GiB"),
     (dict(gpu_memory_utilization=1.5),
      "gpu_memory_utilization=1.5 is invalid: use a fraction in (0, 1]"),
-    (dict(dtype="fp8"), "dtype='fp8' is invalid: choose auto, float32, bfloat16 or float16"),
-    (dict(device="tpu"), "device='tpu' is invalid: choose auto, cpu or cuda"),
+    (dict(dtype="fp8"),
+     "dtype='fp8' is invalid: choose one of auto, float32, bfloat16, float16"),
+    (dict(device="tpu"), "device='tpu' is invalid: choose one of auto, cpu, cuda"),
     (dict(attention_backend="flash"),
-     "attention_backend='flash' is invalid: choose auto, triton, native or torch"),
-    (dict(max_model_len=0), "max_model_len=0 is invalid: use a positive integer"),
+     "attention_backend='flash' is invalid: choose one of auto, triton, native, torch"),
+    (dict(kv_cache_dtype="int8"), "kv_cache_dtype='int8' is invalid: choose one of auto, fp8"),
+    (dict(max_model_len=0), "max_model_len=0 is invalid: use an integer >= 1"),
 ]
 
 
@@ -151,16 +154,15 @@ def test_step_limits_fit_the_device(monkeypatch):
     Props.total_memory = 24 * 2**30
     assert resolve._step_limits(cpu, cuda=True) == (256, 8192)
     resolved = ResolvedConfig(
-        device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=512,
-        max_num_batched_tokens=16384, block_size=16, num_kv_blocks=None, kv_cache_gib=None,
-        gpu_memory_utilization=0.9, enable_prefix_caching=True, scheduling_policy="fair",
-        admission_batch=16, admission_max_delay=16, cuda_graphs=True, overlap=True,
-        kernels="triton", attention_backend="triton", seed=0, num_threads=None,
+        asked=cpu, device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=512,
+        max_num_batched_tokens=16384, block_size=16, admission_batch=16, cuda_graphs=True,
+        overlap=True, kernels="triton", attention_backend="triton", num_threads=None,
     )
-    small = resolve.fit_kv_cache(resolved, cpu, num_blocks=10)
+    small = resolve.fit_kv_cache(resolved, num_blocks=10)
     assert (small.max_num_seqs, small.admission_batch) == (10, 10)
-    assert resolve.fit_kv_cache(resolved, cpu, num_blocks=4000).max_num_seqs == 512
-    kept = resolve.fit_kv_cache(resolved, EngineConfig(max_num_seqs=512), num_blocks=10)
+    assert resolve.fit_kv_cache(resolved, num_blocks=4000).max_num_seqs == 512
+    kept = resolve.fit_kv_cache(dataclasses.replace(
+        resolved, asked=EngineConfig(max_num_seqs=512)), num_blocks=10)
     assert kept.max_num_seqs == 512  # asked for: kept
 
 

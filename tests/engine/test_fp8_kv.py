@@ -1,5 +1,5 @@
 """The fp8 KV cache (kv_cache_dtype="fp8") in the torch backend, its reference: K/V stored as
-float8 e4m3 with a scale per token and head (or one static scale of 1), read back to the
+float8 e4m3 with a scale per token and head, read back to the
 query's dtype. Attention over it equals attention over the round-tripped values; the round
 trip is within e4m3's spacing; the cache holds about twice the tokens of bf16's; prefix
 hits, preemption and swap keep working (the scales travel with their block); on the default
@@ -12,32 +12,28 @@ import torch
 from nanovllm import LLM, ConfigError, SamplingParams
 from nanovllm.kernels import torch_attention as ta
 from nanovllm.kernels.attention_metadata import AttentionMetadata
-from nanovllm.worker import kv_cache
-from tests.support import engine_logprobs, make_prompts, triton_module
+from tests.support import engine_logprobs, make_prompts
 
 D = 32
 
 
-@pytest.mark.parametrize("width", [D, ta.fp8_width(D, True)], ids=["tensor", "token"])
-def test_round_trip_is_within_e4m3_spacing(width):
+def test_round_trip_is_within_e4m3_spacing():
     torch.manual_seed(0)
+    width = ta.fp8_width(D)
     x = torch.randn(200, 4, D) * torch.logspace(-3, 2, 200)[:, None, None]
     raw = ta.quantize_fp8(x, width)
     assert raw.dtype == torch.uint8 and raw.shape == (200, 4, width)
     back = ta.dequantize_fp8(raw, D, torch.float32)
-    if width == D:  # static scale 1: normal e4m3 numbers from 2^-6, subnormals spaced 2^-9
-        bound = 2**-4 * x.abs().clamp(max=448) + 2**-10 + (x.abs() - 448).clamp(min=0)
-    else:  # each token-head's amax maps to 448
-        scale = x.abs().amax(-1, keepdim=True) / 448
-        bound = 2**-4 * x.abs() + scale * 2**-10
+    scale = x.abs().amax(-1, keepdim=True) / 448  # each token-head's amax maps to 448
+    bound = 2**-4 * x.abs() + scale * 2**-10
     assert bool(((back - x).abs() <= bound + 1e-12).all())
 
 
-@pytest.mark.parametrize("width", [D, ta.fp8_width(D, True)], ids=["tensor", "token"])
-def test_attention_over_fp8_equals_attention_over_the_round_trip(width):
+def test_attention_over_fp8_equals_attention_over_the_round_trip():
     """Prefill chunks, decodes (one row and batched) over a paged fp8 cache equal the same
     steps over a float32 cache that holds the dequantized values."""
     torch.manual_seed(1)
+    width = ta.fp8_width(D)
     bs, heads, kv_heads, blocks = 4, 4, 2, 32
     fp8 = torch.zeros(blocks, bs, kv_heads, width, dtype=torch.uint8)
     fp8_v = torch.zeros_like(fp8)
@@ -73,15 +69,13 @@ def test_attention_over_fp8_equals_attention_over_the_round_trip(width):
 
 def test_fp8_cache_holds_more_tokens(tiny_llama):
     sizes = {}
-    for name, opts in {"auto": {}, "token": dict(kv_cache_dtype="fp8"),
-                       "tensor": dict(kv_cache_dtype="fp8", kv_cache_scales="tensor")}.items():
+    for name, opts in {"auto": {}, "token": dict(kv_cache_dtype="fp8")}.items():
         llm = LLM(str(tiny_llama), device="cpu", dtype="bfloat16", kv_cache_gib=0.01, **opts)
         sizes[name] = llm.engine.config.num_kv_blocks
-    assert sizes["tensor"] == 2 * sizes["auto"]
     # head_dim 16 + a 4-byte scale, padded to 32 bytes: as many bytes as bf16 at this tiny
     # head_dim; at 64 it is 80 bytes against 128, at 128 144 against 256
-    assert ta.fp8_width(16, True) == 32 and ta.fp8_width(64, True) == 80
-    assert ta.fp8_width(128, True) == 144
+    assert ta.fp8_width(16) == 32 and ta.fp8_width(64) == 80
+    assert ta.fp8_width(128) == 144
     assert sizes["token"] == pytest.approx(sizes["auto"] * 32 / 32, rel=0.01)
 
 
@@ -89,38 +83,21 @@ PREEMPT = dict(num_kv_blocks=24, block_size=4, max_model_len=96, max_num_seqs=8,
                admission_headroom=0)
 
 
-@pytest.mark.parametrize("setting", ["prefix_hits", "preempt", "swap", "swap, fresh"])
-def test_fp8_outputs_do_not_depend_on_scheduling(tiny_llama, setting, monkeypatch):
-    """The same fp8 bytes whatever happens to a block: hits, recompute, a round trip to host
-    memory and back give the tokens a roomy cache gives. This holds for what attention
-    reads with kernels.FRESH_PREFILL off. On (the default), a prefill reads its own
-    positions unrounded and the positions before it from the cache, so tokens depend on
-    what was cached and where chunks and recomputes begin (test_fresh_prefill_engines); a
-    swap's round trip still changes nothing."""
-    import nanovllm.kernels as kernels
-
-    fresh = setting.endswith("fresh")
-    monkeypatch.setattr(kernels, "FRESH_PREFILL", fresh)
-    # (with the switch on, prompts that share no block: no hits)
-    prompts = make_prompts(seed=2, count=8, shared_prefix=0 if fresh else 12)
+def test_fp8_swap_round_trip_changes_nothing(tiny_llama):
+    """The scales travel with their block: a preempted sequence's blocks swapped to host
+    memory and back give the tokens a roomy cache gives. (A recompute or a prefix hit may
+    not: a prefill reads its own positions unrounded and the ones before it from the cache,
+    so an fp8 engine's tokens depend, within fp8 rounding, on where chunks begin.)"""
+    prompts = make_prompts(seed=2, count=8, shared_prefix=0)  # no block shared: no hits
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     opts = dict(device="cpu", kv_cache_dtype="fp8")
     roomy = LLM(str(tiny_llama), num_kv_blocks=512, enable_prefix_caching=False, **opts)
-    assert roomy.engine.runner.kernels.fresh_prefill == fresh
+    assert roomy.engine.runner.kernels.fresh_prefill
     expected = [o.token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
-    swap = dict(PREEMPT, swap_space=0.01, preemption_mode="swap")
-    extra = {"prefix_hits": dict(num_kv_blocks=512, block_size=4), "preempt": PREEMPT,
-             "swap": swap, "swap, fresh": swap}[setting]
-    llm = LLM(str(tiny_llama), **opts, **extra)
-    if not fresh:
-        llm.generate(prompts[:1], params, use_tqdm=False)  # its prefix is cached for the rest
+    llm = LLM(str(tiny_llama), **opts, **PREEMPT, swap_space=0.01, preemption_mode="swap")
     got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
-    sched = llm.engine.scheduler
-    if setting == "prefix_hits":
-        assert llm.engine.block_manager.events["hit_device"] > 0
-    else:
-        assert sched.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.num_free_blocks == llm.engine.config.num_kv_blocks
 
 
@@ -128,7 +105,7 @@ def test_fp8_on_the_default_model_stays_close():
     """Teacher-forced next-token distributions of the default model (float32) with an fp8
     cache against its float32 cache: mean KL under 2e-2 nats per token (the benchmark
     measures 6e-3 against a bf16 cache, BENCHMARKS.md). The generated tokens are scored by
-    decode steps: a prefill reads its own positions unrounded (kernels.FRESH_PREFILL), so
+    decode steps: a prefill reads its own positions unrounded (Kernels.fresh_prefill), so
     it would say nothing of the cache."""
     base = LLM(weight_format="dense", max_model_len=512, kv_cache_gib=0.1)
     fp8 = LLM(weight_format="dense", max_model_len=512, kv_cache_gib=0.1, kv_cache_dtype="fp8")
@@ -143,76 +120,34 @@ def test_fp8_on_the_default_model_stays_close():
 def test_fp8_settings_say_what_to_change(tiny_llama):
     with pytest.raises(ConfigError, match="kv_cache_dtype='fp16' is invalid"):
         LLM(str(tiny_llama), device="cpu", kv_cache_dtype="fp16")
-    with pytest.raises(ConfigError, match="kv_cache_scales='head' is invalid"):
-        LLM(str(tiny_llama), device="cpu", kv_cache_scales="head")
 
 
-@pytest.mark.parametrize("k_head_major, k_plane, run_stores",
-                         [(False, False, False), (True, False, False), (True, True, False),
-                          (True, False, True), (True, True, True)],
-                         ids=["k-by-position", "k-by-head", "k-scale-plane", "run-stores",
-                              "k-scale-plane-run-stores"])
-def test_triton_engine_on_fp8_equals_the_torch_one(tiny_llama, triton_device, k_head_major,
-                                                   k_plane, run_stores, monkeypatch):
+@pytest.mark.parametrize("block_size", [8, 32], ids=["k-by-position", "k-scale-plane"])
+def test_triton_engine_on_fp8_equals_the_torch_one(tiny_llama, triton_device, block_size):
     """The whole engine with the Triton kernels (on a CPU in Triton's interpreter) on an fp8
     cache: the bytes the reference stores, the attention it computes, so the same tokens;
-    with K's blocks laid out each way (kv_cache.FP8_K_HEAD_MAJOR, FP8_K_SCALE_PLANE), as
-    every kernel and the reference index the cache by its strides, and a prefill's V stored
-    token by token or by runs (triton_kv_store.RUN_STORES)."""
-    monkeypatch.setattr(kv_cache, "FP8_K_HEAD_MAJOR", k_head_major)
-    monkeypatch.setattr(kv_cache, "FP8_K_SCALE_PLANE", k_plane)
-    monkeypatch.setattr(triton_module("nanovllm.kernels.triton_kv_store"), "RUN_STORES",
-                        run_stores)
-    prompts = make_prompts(seed=4, count=4, shared_prefix=8)
+    with blocks under 16 tokens in rows, and from 16 on with V transposed and K head-major
+    with its scales in a plane (a prefill's V stored by runs), as every kernel and the
+    reference index the cache by its strides. Shared prefixes are cached and prompts come
+    in chunks, so prefill rows read their own positions from the step's K/V and the earlier
+    ones from the cache."""
+    prompts = make_prompts(seed=4, count=4, shared_prefix=20)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(tiny_llama), device=triton_device, dtype="float32", enforce_eager=True,
-                  kv_cache_dtype="fp8", num_kv_blocks=64,
-                  block_size=32 if run_stores else 16,
-                  attention_backend=backend)
+                  kv_cache_dtype="fp8", num_kv_blocks=64, block_size=block_size,
+                  max_num_batched_tokens=24, attention_backend=backend)
         k = llm.engine.runner.model.attention_layers()[0].k_cache
-        # positions adjacent: head-major; a position's values only: a scale plane
         head_dim = llm.engine.model_config.head_dim
-        assert k.stride(1) == (head_dim if k_plane else k.shape[-1] if k_head_major
-                               else k.shape[-1] * k.shape[2])
-        assert ta.k_scale_plane(k) == k_plane
+        plane = block_size >= 16
+        # a position's values only: a scale plane; else rows of every head
+        assert k.stride(1) == (head_dim if plane else k.shape[-1] * k.shape[2])
+        assert ta.k_scale_plane(k) == plane
         outs[backend] = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(outs["torch"], outs["triton"]):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert all(abs(la[k] - lb[k]) < 1e-4 for k in la)
-
-
-def test_fresh_prefill_engines(tiny_llama, triton_device, monkeypatch):
-    """kernels.FRESH_PREFILL: prefill rows attend over their own positions with the step's
-    K/V as computed. The Triton engine (on a CPU in Triton's interpreter) on an fp8 cache
-    gives the torch engine's tokens and log-probabilities, with shared prefixes cached and
-    prompts in chunks (the earlier positions from the cache); the prefill's first tokens
-    now see unrounded K/V, so their log-probabilities move. A float32 cache holds the values
-    as computed: its engine keeps the switch off."""
-    import nanovllm.kernels as kernels
-
-    prompts = make_prompts(seed=6, count=4, shared_prefix=20)  # a 16-token block shared
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
-
-    def run(backend, fresh, kv="fp8"):
-        monkeypatch.setattr(kernels, "FRESH_PREFILL", fresh)
-        llm = LLM(str(tiny_llama), device=triton_device, dtype="float32", enforce_eager=True,
-                  kv_cache_dtype=kv, num_kv_blocks=64, block_size=16,
-                  max_num_batched_tokens=24, attention_backend=backend)
-        assert llm.engine.runner.kernels.fresh_prefill == (fresh and kv == "fp8")
-        return llm.generate(prompts, params, use_tqdm=False)
-
-    def first_logprobs(outs):
-        return [max(o.outputs[0].logprobs[0].values()) for o in outs]
-
-    torch_on, triton_on = run("torch", True), run("triton", True)
-    for a, b in zip(torch_on, triton_on):
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            assert all(abs(la[k] - lb[k]) < 1e-4 for k in la)
-    moved = [abs(x - y) for x, y in zip(first_logprobs(torch_on),
-                                        first_logprobs(run("torch", False)))]
-    assert max(moved) > 1e-4, "the fp8 prefill read the cache's rounded values"
-    run("torch", True, "auto")  # (asserts the switch is off)
+    plain = LLM(str(tiny_llama), device="cpu", num_kv_blocks=64)
+    assert not plain.engine.runner.kernels.fresh_prefill  # its cache holds the values as computed

@@ -75,13 +75,10 @@ def test_tp2_greedy_equals_transformers_and_one_device(model, setting):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("all_reduce", ["nccl", "symm_mem"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_tp2_on_two_gpus_equals_transformers_and_one_gpu(model, graphs, all_reduce):
+def test_tp2_on_two_gpus_equals_transformers_and_one_gpu(model, graphs):
     """NCCL: the step's inputs broadcast from rank 0's buffers, CUDA graphs captured on both
-    ranks with their all-reduces inside, overlap on (the GPU default); the all-reduces by
-    NCCL, or by one kernel over symmetric memory (decode steps; prefill ones fit it too
-    with these tiny models)."""
+    ranks with their all-reduces inside, overlap on (the GPU default)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     path, hf = model
@@ -90,14 +87,7 @@ def test_tp2_on_two_gpus_equals_transformers_and_one_gpu(model, graphs, all_redu
     options = dict(device="cuda", dtype="float32", num_kv_blocks=256, block_size=16,
                    enforce_eager=not graphs)
     one, _, _ = run(path, prompts, params, **options)
-    if all_reduce == "symm_mem":  # it is the one in use
-        llm = LLM(str(path), tensor_parallel_size=2, all_reduce=all_reduce, **options)
-        try:
-            assert llm.engine.runner.tp.one_shot is not None
-        finally:
-            llm.shutdown()
-    two, _, free = run(path, prompts, params, tensor_parallel_size=2, all_reduce=all_reduce,
-                       **options)
+    two, _, free = run(path, prompts, params, tensor_parallel_size=2, **options)
     for prompt, a, b in zip(prompts, one, two):
         assert b.token_ids == hf_greedy(hf, prompt, MAX_TOKENS) == a.token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
@@ -167,10 +157,6 @@ def test_bad_tensor_parallel_settings_say_what_to_change(tiny_llama, monkeypatch
         LLM(str(tiny_llama), device="cpu", tensor_parallel_size=3)
     with pytest.raises(ConfigError, match="tensor_parallel_size=0"):
         LLM(str(tiny_llama), device="cpu", tensor_parallel_size=0)
-    with pytest.raises(ConfigError, match="all_reduce='symm_mem'.* CUDA GPUs .*nccl"):
-        LLM(str(tiny_llama), device="cpu", tensor_parallel_size=2, all_reduce="symm_mem")
-    with pytest.raises(ConfigError, match="all_reduce='ring' is invalid: choose one of nccl"):
-        LLM(str(tiny_llama), device="cpu", tensor_parallel_size=2, all_reduce="ring")
     for name, value in dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                             MASTER_PORT="1").items():
         monkeypatch.setenv(name, value)
