@@ -16,7 +16,7 @@ from pathlib import Path
 
 import openai
 
-from nanovllm.entrypoints.openai.front_ends import listening_sockets
+from nanovllm.entrypoints.openai.sockets import listening_sockets
 from tests.server.harness import ServerProcess, metric, scrape, wait_idle
 from tests.support import build_tiny_model
 

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import httpx
 
 from nanovllm.entrypoints.openai.app import build_app
-from nanovllm.entrypoints.openai.serving import ServerConfig
+from nanovllm.entrypoints.openai.serving import ServerSettings
 
 
 class _BrokenClient:
-    info = SimpleNamespace(max_model_len=64, vocab_size=512)
+    info = SimpleNamespace(max_model_len=64, vocab_size=512, max_num_seqs=4)
 
     @property
     def alive(self) -> bool:
@@ -21,7 +21,7 @@ class _BrokenClient:
 
 
 def test_a_bug_is_500_with_connection_close_and_logged(caplog):
-    app = build_app(_BrokenClient(), None, ServerConfig("m"))
+    app = build_app(_BrokenClient(), None, ServerSettings(served_model_name="m"))
 
     async def get() -> httpx.Response:
         transport = httpx.ASGITransport(app, raise_app_exceptions=False)

@@ -8,7 +8,8 @@ import subprocess
 import sys
 import time
 
-from nanovllm.entrypoints.openai.launch import release, reserve_address, served_name
+from nanovllm.entrypoints.openai.launch import served_name
+from nanovllm.entrypoints.openai.sockets import release, reserve_address
 from tests.server.harness import REPO
 
 

@@ -61,10 +61,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def default_api_server_count(device: str) -> int:
-    """2 front ends for engines on a GPU (on an H200 one front end streamed 0.87 of offline's
-    tokens at 1,024 prompts, two 0.94: BENCHMARKS.md), 1 on a CPU, whose cores the engine
-    needs. The front end does not load torch, so "auto" looks for an NVIDIA device as torch
-    would find one: the driver's device files, unless CUDA_VISIBLE_DEVICES hides them all."""
+    """2 front ends for engines on a GPU (one front end's core cannot stream all that a GPU's
+    engine generates at a thousand prompts: BENCHMARKS.md), 1 on a CPU, whose cores the
+    engine needs. The front end does not load torch, so "auto" looks for an NVIDIA device
+    as torch would find one: the driver's device files, unless CUDA_VISIBLE_DEVICES hides
+    them all."""
     if device != "auto":
         return 2 if device == "cuda" else 1
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -76,7 +77,7 @@ def default_api_server_count(device: str) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_server_count is None:
         args.api_server_count = default_api_server_count(args.device)
-    from nanovllm.entrypoints.openai.front_ends import make_metrics_dir, remove_metrics_dir
+    from nanovllm.entrypoints.openai.metrics_dir import make_metrics_dir, remove_metrics_dir
 
     if args.api_server_count > 1:
         # several front ends share their metrics through files; prometheus_client reads
@@ -84,7 +85,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         make_metrics_dir()
     # FastAPI only when serving
     from nanovllm.engine.messages import EngineProcessConfig
-    from nanovllm.entrypoints.openai.launch import ServerSettings, run_server
+    from nanovllm.entrypoints.openai.launch import run_server
+    from nanovllm.entrypoints.openai.serving import ServerSettings
 
     engine = EngineProcessConfig(
         args.model, engine_config(args), args.max_num_waiting, args.log_interval

@@ -46,18 +46,18 @@ from nanovllm.entrypoints.openai.protocol import (
 from nanovllm.entrypoints.openai.replicas import ReplicaSet
 from nanovllm.entrypoints.openai.request_body import body_read, read_json
 from nanovllm.entrypoints.openai.responses import respond
-from nanovllm.entrypoints.openai.serving import Server, ServerConfig
+from nanovllm.entrypoints.openai.serving import Server, ServerSettings
 
 log = logging.getLogger("nanovllm.server")
 # declares the key in /openapi.json; check_key does the comparison
 _bearer = HTTPBearer(auto_error=False, description="the server's --api-key")
 
 
-def build_app(client: ReplicaSet, tokenizer: Tokenizer, config: ServerConfig) -> FastAPI:
+def build_app(client: ReplicaSet, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
     """The FastAPI app serving `client`'s engine; it starts reading the engine's replies
     when the app starts."""
-    server = Server(client, tokenizer, config)
-    limit = config.max_request_bytes
+    server = Server(client, tokenizer, settings)
+    limit = settings.max_request_bytes
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -75,13 +75,13 @@ def build_app(client: ReplicaSet, tokenizer: Tokenizer, config: ServerConfig) ->
         request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
     ) -> None:
         given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, f"Bearer {config.api_key}".encode()):
+        if not secrets.compare_digest(given, f"Bearer {settings.api_key}".encode()):
             msg = "missing or wrong API key: send 'Authorization: Bearer <key>'"
             raise APIError(401, msg, None, "invalid_api_key")
 
     # with --api-key: every route that serves the model (/health stays open for probes)
-    keyed = [Depends(check_key)] if config.api_key else []
-    auth = (401,) if config.api_key else ()
+    keyed = [Depends(check_key)] if settings.api_key else []
+    auth = (401,) if settings.api_key else ()
     post = (400, *auth, 404, 413, 415)  # any route that reads a body
     v1 = APIRouter(prefix="/v1", dependencies=keyed)
 
@@ -112,8 +112,8 @@ def build_app(client: ReplicaSet, tokenizer: Tokenizer, config: ServerConfig) ->
         text = "".join(f"replica {i} is down: {why}\n" for i, why in down.items())
         return Response(text, status_code=200, media_type="text/plain")
 
-    metrics_keyed = keyed if config.protect_metrics else []
-    metrics_auth = auth if config.protect_metrics else ()
+    metrics_keyed = keyed if settings.protect_metrics else []
+    metrics_auth = auth if settings.protect_metrics else ()
 
     @app.get("/metrics", response_class=PlainTextResponse, dependencies=metrics_keyed,
              responses=responses(None, metrics_auth))

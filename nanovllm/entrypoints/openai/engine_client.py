@@ -63,7 +63,7 @@ class EngineClient:
                  spare_conns: list[Connection] | None = None) -> None:
         self.proc, self.conn, self.info = proc, conn, info
         # the engine's pipes to the other front-end processes (--api-server-count), handed
-        # to them by launch.py; the engine process is this client's to stop
+        # to them by front_ends.py; the engine process is this client's to stop
         self.spare_conns = spare_conns or []
         self.owner = isinstance(proc, BaseProcess)
         self.error: str | None = None  # why the engine is gone
@@ -79,7 +79,7 @@ class EngineClient:
         # sent so far (those beyond the Load's adds_seen are not in it yet)
         self.load: Load | None = None
         self.sent_adds = 0
-        # called once, on the event loop, when the engine is gone (launch.py stops the server)
+        # called once, on the event loop, when the engine is gone (front_ends.py stops the server)
         self.on_death: Callable[[str], None] | None = None
 
     @classmethod
@@ -303,6 +303,3 @@ class PeerProcess:
         deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
         while self.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
-
-    def terminate(self) -> None:
-        pass  # not ours to stop

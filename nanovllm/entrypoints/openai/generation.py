@@ -149,7 +149,7 @@ class Generation:
             self._log(sub)
 
     def _log(self, sub: _Sub) -> None:
-        if not self.server.config.log_requests:
+        if not self.server.settings.log_requests:
             return
         mine = self.choices[sub.prompt_index * self.n : (sub.prompt_index + 1) * self.n]
         reasons = ",".join(sorted({c.finish_reason or "abort" for c in mine}))

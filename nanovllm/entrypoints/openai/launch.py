@@ -1,11 +1,11 @@
-"""`nanovllm serve`: check the address, start the engine process, wait until it is ready,
-serve HTTP (with `--api-server-count`, from several front-end processes: front_ends.py)."""
+"""`nanovllm serve`: check the settings and the address, start the engine processes, wait
+until they are ready, serve HTTP from this process (and, with `--api-server-count`, from the
+other front-end processes: front_ends.py) until stopped."""
 
-import asyncio
+import dataclasses
 import logging
 import os
 import socket
-from dataclasses import dataclass
 from pathlib import Path
 
 from nanovllm.core.errors import ConfigError
@@ -16,37 +16,19 @@ from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.entrypoints.ctrl_c import ctrl_c_kept
 from nanovllm.entrypoints.openai.app import build_app
 from nanovllm.entrypoints.openai.front_ends import (
-    MULTIPROC_ENV,
-    listening_sockets,
-    remove_metrics_dir,
+    http_server,
     start_front_ends,
     stop_front_ends,
+    stop_when_engines_die,
     watch_front_ends,
 )
+from nanovllm.entrypoints.openai.metrics_dir import MULTIPROC_ENV
 from nanovllm.entrypoints.openai.replicas import ReplicaSet
-from nanovllm.entrypoints.openai.serving import MAX_N, ServerConfig
+from nanovllm.entrypoints.openai.serving import ServerSettings
+from nanovllm.entrypoints.openai.sockets import listening_sockets, release, reserve_address
+from nanovllm.model.loader.source import open_model
 
 log = logging.getLogger("nanovllm.server")
-
-ENGINE_DEATH_GRACE_S = 0.5  # after the engine dies, time for in-flight errors to go out
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """The HTTP side of `nanovllm serve` (the engine's side is an EngineProcessConfig)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # None: $NANOVLLM_API_KEY, or no key
-    served_model_name: str | None = None  # None: the model directory's or file's name
-    max_request_bytes: int = 1 << 20
-    protect_metrics: bool = False  # /metrics needs the API key too
-    data_parallel_size: int = 1  # engine processes behind this front end (replicas.py)
-    api_server_count: int = 1  # front-end processes sharing the port (see run_server)
-    log_requests: bool = True  # a line per finished request
-    # seconds a stop (SIGTERM, Ctrl-C) lets the requests in flight finish before it cancels
-    # them (uvicorn's graceful shutdown; --drain-timeout)
-    drain_timeout: float = 5.0
 
 
 def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
@@ -55,15 +37,13 @@ def run_server(engine: EngineProcessConfig, server: ServerSettings) -> int:
     log.setLevel(logging.INFO)
     held = reserve_address(server.host, server.port)
     try:
-        return _serve(engine, server, held)
+        return _serve(engine, resolved(server, engine.model), held)
     finally:
         release(held)
 
 
 def _serve(engine: EngineProcessConfig, server: ServerSettings,
            held: list[socket.socket]) -> int:
-    from nanovllm.model.loader.source import open_model
-
     tokenizer = load_tokenizer(open_model(engine.model))  # fails fast on a bad path
     if server.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size {server.data_parallel_size} is invalid; "
@@ -88,14 +68,13 @@ def _serve(engine: EngineProcessConfig, server: ServerSettings,
         with ctrl_c_kept():
             client = ReplicaSet.start(engine, server.data_parallel_size,
                                       server.api_server_count)
-            config = server_config(server, engine, client)
             log.info(
                 "serving %r (max_model_len %d) on http://%s:%d%s%s",
-                config.served_model_name,
+                server.served_model_name,
                 client.info.max_model_len,
                 server.host,
                 server.port,
-                " (API key required)" if config.api_key else "",
+                " (API key required)" if server.api_key else "",
                 f" with {server.api_server_count} front-end processes"
                 if server.api_server_count > 1 else "",
             )
@@ -111,7 +90,7 @@ def _serve(engine: EngineProcessConfig, server: ServerSettings,
             # NANOVLLM_SAMPLE_STACKS: where time goes (the report is rewritten as it runs:
             # uvicorn ends the process by re-raising SIGTERM, past any `finally`)
             stack_sampler.from_env(".front")
-            http = http_server(build_app(client, tokenizer, config), server, front_ends)
+            http = http_server(build_app(client, tokenizer, server), server, front_ends)
             died = stop_when_engines_die(client, http)
             if front_ends:
                 watch_front_ends(front_ends, http, died)
@@ -130,107 +109,14 @@ def _serve(engine: EngineProcessConfig, server: ServerSettings,
     return 0
 
 
-def server_config(server: ServerSettings, engine: EngineProcessConfig, client) -> ServerConfig:
-    return ServerConfig(
-        served_model_name=server.served_model_name or served_name(engine.model),
+def resolved(server: ServerSettings, model: str | None) -> ServerSettings:
+    """`server` with what its defaults leave to start-up filled in: the served model name
+    and the API key (--api-key, else $NANOVLLM_API_KEY, else none)."""
+    return dataclasses.replace(
+        server,
+        served_model_name=server.served_model_name or served_name(model),
         api_key=server.api_key or os.environ.get("NANOVLLM_API_KEY") or None,
-        max_request_bytes=server.max_request_bytes,
-        max_n=min(MAX_N, client.info.max_num_seqs),
-        protect_metrics=server.protect_metrics,
-        log_requests=server.log_requests,
     )
-
-
-def stop_when_engines_die(client, http) -> list[str]:
-    """Once the last engine is gone, stop `http` (after ENGINE_DEATH_GRACE_S, so the failed
-    requests' answers go out); returns the list the reason lands in. No zombie server: the
-    caller exits non-zero so a supervisor (systemd, Kubernetes, a router) starts a fresh
-    one."""
-    died: list[str] = []
-
-    def on_death(reason: str) -> None:
-        if http.should_exit:  # stopping already (Ctrl-C, SIGTERM): the engine went too
-            return
-        died.append(reason)
-        asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, setattr, http,
-                                              "should_exit", True)
-
-    client.on_death = on_death
-    return died
-
-
-def http_server(app, server: ServerSettings, front_ends: list | None = None):
-    """uvicorn's server for `app`; with `front_ends` (the other front-end processes), one
-    that passes a stop on to them at once and waits for them as it stops: uvicorn ends a
-    stopped process by raising the signal again, past any `finally`, and the engine process
-    would go with it while the others still drain their requests."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            for p in front_ends or ():
-                if p.is_alive():
-                    p.terminate()  # SIGTERM: they drain their requests as this one does
-            super().handle_exit(sig, frame)
-
-        async def shutdown(self, sockets=None) -> None:
-            await super().shutdown(sockets)
-            if front_ends:
-                await asyncio.to_thread(stop_front_ends, front_ends, server.drain_timeout)
-                remove_metrics_dir()  # here: a stop by signal skips `nanovllm serve`'s own
-
-    # per-request log lines replace uvicorn's access log
-    return Server(uvicorn.Config(
-        app, host=server.host, port=server.port, access_log=False,
-        timeout_graceful_shutdown=server.drain_timeout,
-    ))  # fmt: skip
-
-
-def reserve_address(host: str, port: int) -> list[socket.socket]:
-    """Bind every address of `host` at `port` (as uvicorn binds them), without listening, and
-    return the sockets: a busy port is a ConfigError before a model loads for minutes, and
-    while the engine starts nothing else is handed the port (a tensor-parallel rendezvous
-    asks the OS for a free one, which could otherwise be this one, free until uvicorn binds
-    it). `release` them just before uvicorn binds."""
-    try:
-        addresses = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-    except socket.gaierror as e:
-        raise ConfigError(f"cannot resolve --host {host!r}: {e.strerror}") from None
-    held: list[socket.socket] = []
-    try:
-        for family, kind, proto, _, address in addresses:
-            held.append(_bind(family, kind, proto, address, host, port))
-    except BaseException:
-        release(held)
-        raise
-    return held
-
-
-def _bind(family, kind, proto, address, host: str, port: int) -> socket.socket:
-    # without SO_REUSEADDR first: no other socket, even one that sets it, may then share the
-    # port; with it (as uvicorn binds) where the first fails, e.g. over TIME_WAIT connections
-    # a previous server left
-    for reuse in (False, True):
-        sock = socket.socket(family, kind, proto)
-        if reuse:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        try:
-            sock.bind(address)
-            return sock
-        except OSError as e:
-            sock.close()
-            error = e
-    msg = f"cannot listen on {host}:{port} ({error.strerror}); pick another --port"
-    raise ConfigError(msg) from None
-
-
-def release(held: list[socket.socket]) -> None:
-    while held:
-        held.pop().close()
 
 
 def served_name(model: str | None) -> str:

@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from nanovllm.engine.messages import EngineStats
-from nanovllm.entrypoints.openai.front_ends import MULTIPROC_ENV  # several front ends
+from nanovllm.entrypoints.openai.metrics_dir import MULTIPROC_ENV  # several front ends
 
 disable_created_metrics()  # no *_created series: process start times, noise on every scrape
 
@@ -116,10 +116,10 @@ class Metrics:
     Time to first token and per output token are observed for streamed requests only:
     the engine reports a non-streamed request once, at its end.
 
-    With several front-end processes (`--api-server-count`), launch.py sets
-    PROMETHEUS_MULTIPROC_DIR before prometheus_client is imported: each process's histograms
-    then live in files there, and every process's /metrics sums them all (prometheus_client's
-    multiprocess mode), whichever process the scrape reaches."""
+    With several front-end processes (`--api-server-count`), `nanovllm serve` sets
+    PROMETHEUS_MULTIPROC_DIR before prometheus_client is imported (metrics_dir.py): each
+    process's histograms then live in files there, and every process's /metrics sums them
+    all (prometheus_client's multiprocess mode), whichever process the scrape reaches."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()

@@ -51,7 +51,7 @@ class ReplicaSet:
         self._owner: dict[str, int] = {}  # request id -> replica
         self._affinity: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica
         self._turn = 0
-        self.on_death = None  # called once the last replica is gone (launch.py)
+        self.on_death = None  # called once the last replica is gone (front_ends.py)
 
     @classmethod
     def start(cls, config: EngineProcessConfig, size: int = 1,

@@ -1,5 +1,6 @@
-"""What every route shares: the engine client, the tokenizer, the limits and the metrics, and
-the checks that turn a request body into prompts and sampling parameters."""
+"""The server's settings, and what every route shares: the engine client, the tokenizer, the
+limits and the metrics, and the checks that turn a request body into prompts and sampling
+parameters."""
 
 import inspect
 import time
@@ -45,25 +46,32 @@ RESERVED_TEMPLATE_KWARGS = _named_parameters(
 
 
 @dataclass(frozen=True)
-class ServerConfig:
-    """The front end's own settings, resolved at start-up."""
+class ServerSettings:
+    """The HTTP side of `nanovllm serve` (the engine's side is an EngineProcessConfig)."""
 
-    served_model_name: str
-    api_key: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None: $NANOVLLM_API_KEY, or no key (launch.resolved)
+    served_model_name: str | None = None  # None: the model directory's or file's name
     max_request_bytes: int = 1 << 20
-    max_n: int = MAX_N
     protect_metrics: bool = False  # /metrics needs the API key too
-    log_requests: bool = True  # a line per finished request (--no-log-requests)
+    data_parallel_size: int = 1  # engine processes behind this front end (replicas.py)
+    api_server_count: int = 1  # front-end processes sharing the port (front_ends.py)
+    log_requests: bool = True  # a line per finished request
+    # seconds a stop (SIGTERM, Ctrl-C) lets the requests in flight finish before it cancels
+    # them (uvicorn's graceful shutdown; --drain-timeout)
+    drain_timeout: float = 5.0
 
 
 class Server:
     """What the routes share: the engine client, the tokenizer, limits and metrics."""
 
-    def __init__(self, client: ReplicaSet, tokenizer: Tokenizer, config: ServerConfig) -> None:
-        self.client, self.tokenizer, self.config = client, tokenizer, config
-        self.model_name = config.served_model_name
+    def __init__(self, client: ReplicaSet, tokenizer: Tokenizer, settings: ServerSettings) -> None:
+        self.client, self.tokenizer, self.settings = client, tokenizer, settings
+        self.model_name = settings.served_model_name
         self.max_model_len: int = client.info.max_model_len
         self.vocab_size: int = client.info.vocab_size
+        self.max_n = min(MAX_N, client.info.max_num_seqs)
         self.metrics = Metrics(self.model_name)
         self.created = int(time.time())
         # the Generations started and not yet closed (generation.py): a stop whose drain
@@ -79,8 +87,8 @@ class Server:
     def sampling_params(self, req: GenerateRequest) -> SamplingParams:
         """The request's sampling parameters; 400 when they are invalid or n is too large."""
         params = req.sampling_params()
-        if params.n > self.config.max_n:
-            msg = f"n={params.n} is too large; use at most {self.config.max_n}"
+        if params.n > self.max_n:
+            msg = f"n={params.n} is too large; use at most {self.max_n}"
             raise APIError(400, msg, "n", "invalid_value")
         return params
 
