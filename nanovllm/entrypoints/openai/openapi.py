@@ -108,14 +108,9 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class CompletionChunk(BaseModel):
+class CompletionChunk(CompletionResponse):
     """One server-sent event of a streamed completion (`usage` with include_usage only)."""
 
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
 
 
@@ -132,13 +127,10 @@ class ChatChunkChoice(BaseModel):
     stop_reason: int | str | None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(ChatCompletionResponse):
     """One server-sent event of a streamed chat completion."""
 
-    id: str
     object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
