@@ -142,11 +142,11 @@ class ReplicaSet:
         try:
             await self.clients[i].add(req, out)
         except BaseException:
-            self._forget(req.request_id)
+            self._owner.pop(req.request_id, None)
             raise
 
     def release(self, request_id: str, abort: bool) -> None:
-        i = self._forget(request_id)
+        i = self._owner.pop(request_id, None)
         if i is not None:
             self.clients[i].release(request_id, abort)
 
@@ -211,9 +211,6 @@ class ReplicaSet:
         if prompt_blocks > free:
             waiting += 1
         return running + WAITING_WEIGHT * waiting
-
-    def _forget(self, request_id: str) -> int | None:
-        return self._owner.pop(request_id, None)
 
     def _replica_died(self, i: int, reason: str) -> None:
         if len(self.clients) > 1:
