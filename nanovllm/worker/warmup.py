@@ -1,9 +1,9 @@
 """Steps over dummy sequences at start-up: the memory profile that sizes a GPU's KV cache,
-and the kernel warm-up that compiles Triton's variants before the first request."""
+and the kernel warm-up that compiles Triton's variants before the first request. Each
+takes the ModelRunner that calls it (its model, config, buffers and sampler), which imports
+this module, not the other way round."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,9 +12,6 @@ from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
 from nanovllm.worker.inputs import prepare_inputs
 from nanovllm.worker.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from nanovllm.worker.model_runner import ModelRunner
 
 # the sampler's most memory-hungry path: top-k and top-p sort every row
 PROFILE_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
@@ -31,7 +28,7 @@ def dummy_seq(i: int, context_len: int, num_new: int, first_block: int, block_si
 
 
 @torch.inference_mode()
-def profile_activation_bytes(runner: ModelRunner) -> int:
+def profile_activation_bytes(runner) -> int:
     """Peak GPU memory of the largest step: a full token budget of prefill, then sampling
     max_num_seqs rows. Runs over a temporary cache just large enough for it."""
     cfg, bs = runner.config, runner.config.block_size
@@ -62,7 +59,7 @@ def profile_activation_bytes(runner: ModelRunner) -> int:
 
 
 @torch.inference_mode()
-def warm_up_kernels(runner: ModelRunner) -> None:
+def warm_up_kernels(runner) -> None:
     """Run one step of each batch shape class (decode, mixed, prefill chunks of several
     lengths) so Triton compiles its kernel variants now, not inside the first requests.
 
