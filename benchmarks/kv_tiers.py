@@ -2,28 +2,30 @@
 
     python -m benchmarks.kv_tiers --shape 8b            # Qwen3-8B's shape, random bf16 weights
     python -m benchmarks.kv_tiers --shape 0.6b --out kv.json
-    python -m benchmarks.kv_tiers --shape tiny           # a CPU smoke run of the same code
+    python -m benchmarks.kv_tiers --shape tiny --docs 4 --doc-len 256 --requests 16 \
+        --burst 8 --low 2 --low-len 512                  # a CPU smoke run of the same code
 
-Two experiments, each run side by side in one process (a fresh engine per run):
+Three experiments, each run side by side in one process (a fresh engine per run; --only
+picks one), on blocks of 16 tokens:
 
 - prefix: --docs documents of --doc-len tokens; --requests requests, each one document (drawn
-  at random, the same draw for both runs) plus a distinct --question-len-token question,
-  --max-tokens output tokens; the device KV cache holds about --device-docs documents.
+  at random, the same draw for both runs) plus a distinct 32-token question, 16 output
+  tokens; the device KV cache holds about 8 documents.
   Without a host tier a document evicted from the device is recomputed; with
   `cpu_offload_gib` (sized for every document) it is copied back. The requests arrive at
   each of --rates (Poisson, requests/s; 0: all at once); TTFT is from a request's arrival
   to its first token.
-- burst: --burst prompts of --doc-len unique tokens, --burst-tokens output tokens each, on
+- burst: --burst prompts of --doc-len unique tokens, 256 output tokens each, on
   a cache that holds a quarter of the prompts but not their outputs; admission_headroom=0,
   so the burst is admitted and preempted (the case the headroom avoids): preemption_mode
   recompute against swap (and auto, the cost policy), and the seed's recompute (prefix
   caching off: a victim's blocks are thrown away, not left cached on the device). Greedy
   outputs of recompute and swap are compared.
-
-- priority: --low requests of --low-len tokens at priority 1 run on a cache that holds them
-  to their end; once each has its first token, as many priority-0 requests of the same
-  length arrive, preempt them all and take their blocks; the low ones then resume by
-  recomputing their whole context, or by copying it back (swap).
+- priority: --low requests of --low-len tokens (256 output tokens) at priority 1 run on a
+  cache that holds them to their end; once each has its first token, as many priority-0
+  requests of the same length (32 output tokens) arrive, preempt them all and take their
+  blocks; the low ones then resume by recomputing their whole context, or by copying it back
+  (swap); --repeat runs of each, alternating.
 
 Figures: output tokens/s, TTFT p50/p90, prefix-hit blocks by tier, preemptions and swaps.
 """
@@ -39,30 +41,17 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.random_model import build_random_model
+from benchmarks.random_model import build_random_model, shape_config
 from nanovllm import SamplingParams
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.worker.host_pool import HostKVPool
 from nanovllm.worker.kv_cache import KVFormat, kv_bytes_per_token
 
-HERE = Path(__file__).resolve().parent
-QWEN3_8B = {  # Qwen3-8B's config.json, the fields a decoder reads
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128,
-    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "vocab_size": 151936, "bos_token_id": 151643,
-    "eos_token_id": 151645, "attention_bias": False, "hidden_act": "silu",
-}
-TINY = dict(QWEN3_8B, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024,
-            torch_dtype="float32", tie_word_embeddings=True)
-
-
-def shape_config(name: str) -> dict:
-    if name == "0.6b":
-        return json.loads((HERE / "qwen3_0_6b_config.json").read_text())
-    return {"8b": QWEN3_8B, "tiny": TINY}[name]
+BLOCK_SIZE = 16
+QUESTION_LEN = 32  # prefix: the tokens of each request's own question after its document
+PREFIX_TOKENS = 16  # prefix: output tokens of each request
+DEVICE_DOCS = 8  # prefix: the device KV cache holds about this many requests
+BURST_TOKENS = 256  # burst: output tokens of each prompt
+LOW_TOKENS, HIGH_TOKENS = 256, 32  # priority: output tokens of a low and a high request
 
 
 def run(model: Path, options: dict, prompts: list[list[int]], max_tokens: int,
@@ -92,11 +81,6 @@ def run(model: Path, options: dict, prompts: list[list[int]], max_tokens: int,
 def warm_engine(model: Path, options: dict, warm_len: int) -> LLMEngine:
     """A fresh engine that has run one `warm_len`-token prompt (at a workload's full length,
     its prefill kernels compile here, not in the timed run)."""
-    options = dict(options)
-    # not an engine option: wait_host_copies makes each step wait for its copies out to
-    # reach the host (HostKVPool.overlap_out = False), as before; the priority experiment
-    # compares both
-    HostKVPool.overlap_out = not options.pop("wait_host_copies", False)
     engine = LLMEngine(str(model), **options)
     engine.add_request([5] * warm_len, SamplingParams(temperature=0, max_tokens=4))
     while engine.has_unfinished_requests():
@@ -207,23 +191,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=("8b", "0.6b", "tiny"), default="8b")
-    ap.add_argument("--model-dir", default=None, help="where the random model is written")
     ap.add_argument("--docs", type=int, default=64)
     ap.add_argument("--doc-len", type=int, default=4096)
-    ap.add_argument("--question-len", type=int, default=32)
     ap.add_argument("--requests", type=int, default=512)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--device-docs", type=int, default=8)
     ap.add_argument("--rates", default="0",
                     help="prefix: arrival rates to run, requests/s, comma-separated (0: all at "
                     "once)")
     ap.add_argument("--burst", type=int, default=64)
-    ap.add_argument("--burst-tokens", type=int, default=256)
-    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--low", type=int, default=8, help="priority: long low-priority requests")
     ap.add_argument("--low-len", type=int, default=16384)
-    ap.add_argument("--low-tokens", type=int, default=256)
-    ap.add_argument("--high-tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=1,
                     help="priority: runs of each configuration, alternating; means compared")
     ap.add_argument("--only", choices=("prefix", "burst", "priority"), default=None)
@@ -231,13 +207,13 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = shape_config(args.shape)
-    model_dir = Path(args.model_dir or Path(tempfile.gettempdir()) / f"nanovllm-{args.shape}")
+    model_dir = Path(tempfile.gettempdir()) / f"nanovllm-{args.shape}"
     model, built = build_random_model(cfg, model_dir)
     dtype = getattr(torch, cfg["torch_dtype"])
     per_token = kv_bytes_per_token_of(cfg, dtype)
     rng = random.Random(0)
     vocab = cfg["vocab_size"] - 1000
-    bs = args.block_size
+    bs = BLOCK_SIZE
     report = {"shape": args.shape, "kv_bytes_per_token": per_token,
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     print(f"{args.shape}: {per_token / 1024:.0f} KiB of KV a token; a {args.doc_len}-token "
@@ -246,20 +222,20 @@ def main() -> None:
     if args.only in (None, "prefix"):
         docs = [[rng.randrange(vocab) for _ in range(args.doc_len)] for _ in range(args.docs)]
         picks = [rng.randrange(args.docs) for _ in range(args.requests)]
-        prompts = [docs[d] + [rng.randrange(vocab) for _ in range(args.question_len)]
+        prompts = [docs[d] + [rng.randrange(vocab) for _ in range(QUESTION_LEN)]
                    for d in picks]
-        req_len = args.doc_len + args.question_len + args.max_tokens
-        blocks = args.device_docs * -(-req_len // bs)
+        req_len = args.doc_len + QUESTION_LEN + PREFIX_TOKENS
+        blocks = DEVICE_DOCS * -(-req_len // bs)
         host_gib = 1.1 * args.docs * args.doc_len * per_token / 2**30
         base = dict(num_kv_blocks=blocks, block_size=bs, swap_space=0,
                     max_model_len=-(-req_len // bs) * bs)
         rates = tuple(float(r) for r in args.rates.split(","))
-        off_runs = run(model, base, prompts, args.max_tokens, rates)
-        on_runs = run(model, dict(base, cpu_offload_gib=host_gib), prompts, args.max_tokens,
+        off_runs = run(model, base, prompts, PREFIX_TOKENS, rates)
+        on_runs = run(model, dict(base, cpu_offload_gib=host_gib), prompts, PREFIX_TOKENS,
                       rates)
         print(f"prefix: {args.requests} requests over {args.docs} documents of "
               f"{args.doc_len} tokens; device KV {blocks} blocks of {bs} "
-              f"(~{args.device_docs} requests), host tier {host_gib:.1f} GiB")
+              f"(~{DEVICE_DOCS} requests), host tier {host_gib:.1f} GiB")
         report["prefix"] = {}
         for rate in rates:
             off, on = off_runs[rate], on_runs[rate]
@@ -276,7 +252,7 @@ def main() -> None:
 
     if args.only in (None, "burst"):
         prompts = [[rng.randrange(vocab) for _ in range(args.doc_len)] for _ in range(args.burst)]
-        req_len = args.doc_len + args.burst_tokens
+        req_len = args.doc_len + BURST_TOKENS
         # room for a quarter of the prompts, not for their outputs: decoding preempts
         blocks = max(1, args.burst // 4) * -(-args.doc_len // bs) + 1
         swap_gib = 1.1 * args.burst * req_len * per_token / 2**30
@@ -286,16 +262,16 @@ def main() -> None:
             # the seed's preemption: every block of a victim thrown away
             "recompute, no prefix cache": run(
                 model, dict(base, swap_space=0, enable_prefix_caching=False), prompts,
-                args.burst_tokens)[0.0],
+                BURST_TOKENS)[0.0],
             # a victim's blocks stay cached on the device until reused
             "recompute": run(model, dict(base, swap_space=0, preemption_mode="recompute"),
-                             prompts, args.burst_tokens)[0.0],
+                             prompts, BURST_TOKENS)[0.0],
             "swap": run(model, dict(base, swap_space=swap_gib, preemption_mode="swap"),
-                        prompts, args.burst_tokens)[0.0],
+                        prompts, BURST_TOKENS)[0.0],
             "auto": run(model, dict(base, swap_space=swap_gib), prompts,
-                        args.burst_tokens)[0.0],
+                        BURST_TOKENS)[0.0],
         }
-        print(f"burst: {args.burst} prompts of {args.doc_len} tokens, {args.burst_tokens} "
+        print(f"burst: {args.burst} prompts of {args.doc_len} tokens, {BURST_TOKENS} "
               f"output tokens each; device KV {blocks} blocks of {bs} "
               f"(~{max(1, args.burst // 4)} requests), swap space {swap_gib:.1f} GiB")
         for name, r in runs.items():
@@ -313,7 +289,7 @@ def main() -> None:
     if args.only in (None, "priority"):
         lows = [[rng.randrange(vocab) for _ in range(args.low_len)] for _ in range(args.low)]
         highs = [[rng.randrange(vocab) for _ in range(args.low_len)] for _ in range(args.low)]
-        req_len = args.low_len + args.low_tokens
+        req_len = args.low_len + LOW_TOKENS
         # room for the low requests to their end; the high burst needs all of it
         blocks = args.low * -(-req_len // bs)
         swap_gib = 1.1 * args.low * req_len * per_token / 2**30
@@ -323,8 +299,6 @@ def main() -> None:
             "recompute": dict(base, swap_space=0),
             "swap": dict(base, swap_space=swap_gib, preemption_mode="swap"),
             "auto": dict(base, swap_space=swap_gib),
-            # the step waits for its swap-outs' host copies (HostKVPool.overlap_out = False)
-            "auto, waited": dict(base, swap_space=swap_gib, wait_host_copies=True),
         }
         # alternating: run i of every configuration before run i + 1 of any, each round
         # starting one configuration later (on the H200 the third engine of a process ran
@@ -332,11 +306,11 @@ def main() -> None:
         names = list(configs)
         order = [names[(i + j) % len(names)] for i in range(args.repeat)
                  for j in range(len(names))]
-        every = [(name, run_priority(model, configs[name], lows, highs, args.low_tokens,
-                                     args.high_tokens)) for name in order]
+        every = [(name, run_priority(model, configs[name], lows, highs, LOW_TOKENS,
+                                     HIGH_TOKENS)) for name in order]
         print(f"priority: {args.low} low-priority requests of {args.low_len} tokens "
-              f"({args.low_tokens} output tokens), then {args.low} high-priority ones of "
-              f"{args.low_len} tokens ({args.high_tokens} output tokens); device KV {blocks} "
+              f"({LOW_TOKENS} output tokens), then {args.low} high-priority ones of "
+              f"{args.low_len} tokens ({HIGH_TOKENS} output tokens); device KV {blocks} "
               f"blocks of {bs}, swap space {swap_gib:.1f} GiB")
         for name, r in every:
             b = r["blocks"]
@@ -353,8 +327,7 @@ def main() -> None:
             print(f"  means of {args.repeat} runs: " + ", ".join(
                 f"{name} {v:,.0f}" for name, v in mean.items()) + " tok/s")
         print(f"  by the means: swap / recompute {mean['swap'] / mean['recompute']:.2f}x, "
-              f"auto / recompute {mean['auto'] / mean['recompute']:.2f}x, auto with its "
-              f"host copies waited for / recompute {mean['auto, waited'] / mean['recompute']:.2f}x")
+              f"auto / recompute {mean['auto'] / mean['recompute']:.2f}x")
         rec, swp = runs["recompute"], runs["swap"]
         same = sum(a == b for a, b in zip(rec["outputs"], swp["outputs"]))
         print(f"  first runs: low-priority work done {rec['low_done_s'] / swp['low_done_s']:.2f}x "

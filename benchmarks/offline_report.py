@@ -89,40 +89,6 @@ def print_table(
                 + ", ".join(f"{k} {v:.2f} s" for k, v in st.items())
                 + f" (wait = host idle on the GPU; steps {ours['steps']})"
             )
-        if ours.get("allocator"):  # each cudaFree or retry is a device synchronize
-            notes.append("nano-vLLM CUDA allocator during the run: " + ", ".join(
-                f"{k.removeprefix('num_')} {v}" for k, v in ours["allocator"].items()))
-        for i, run in enumerate([ours, *(ours.get("repeats") or [])], start=1):
-            built = run.get("triton_compiles") or {}
-            if built.get("count"):  # kernel variants the warm-up left for the timed run
-                notes.append(
-                    f"nano-vLLM run {i} built {built['count']} Triton kernel variants in "
-                    f"{built['seconds']:.2f} s: "
-                    + ", ".join(f"{k} x{n}" for k, n in built["kernels"].items()))
-            usage = run.get("host_usage") or {}
-            if usage:
-                notes.append(
-                    f"nano-vLLM run {i} host: user {usage['user_s']:.2f} s, system "
-                    f"{usage['system_s']:.2f} s, {usage['minor_faults']:,} minor / "
-                    f"{usage['major_faults']:,} major page faults, "
-                    f"{usage['involuntary_switches']:,} involuntary context switches")
-            pauses = run.get("gc") or {}
-            if pauses.get("count"):
-                notes.append(
-                    f"nano-vLLM run {i}: {pauses['count']} Python collections, "
-                    f"{pauses['seconds']:.3f} s (by generation {pauses['by_generation']})"
-                    + (f"; {pauses['tracked_at_start']:,} objects tracked at the start"
-                       if "tracked_at_start" in pauses else ""))
-        for where, n in (ours.get("syncs") or {}).items():  # --sync-debug
-            notes.append(f"nano-vLLM host waited on the GPU {n}x at {where}")
-        for where, n in (ours.get("mallocs") or {}).items():  # --malloc-trace
-            notes.append(f"nano-vLLM run 1 made {n} device malloc(s) at {where}")
-        for i, rep in enumerate(ours.get("repeats") or [], start=2):
-            notes.append(
-                f"nano-vLLM run {i} (overlap {'on' if rep['overlap'] else 'off'}): "
-                f"{rep['elapsed_s']:.2f} s, {rep['throughput']:,.0f} tok/s; host "
-                + ", ".join(f"{k} {v:.2f} s" for k, v in rep["step_timing_s"].items())
-            )
         if ours["wrong_length_requests"]:
             notes.append(f"nano-vLLM: {ours['wrong_length_requests']} requests != max_tokens")
     if peer and not peer.get("error"):

@@ -1,13 +1,12 @@
 """Where a decode step's time goes on the GPU: kernel time by kind, host time by part,
 and any host<->device synchronization inside the step loop.
 
-    python -m benchmarks.profile_step [--model DIR] [--steps 20] [--no-overlap]
-                                      [--kv-cache-dtype fp8 [--fp8-attention qp]]
-                                      [--prefill] [--no-pdl and the other switches]
+    python -m benchmarks.profile_step [--model DIR] [--num-seqs 256]
+                                      [--kv-cache-dtype fp8] [--prefill]
                                       (PROFILE_ROWS=30: more rows of the kernel table)
 
-Runs 256 requests of the offline workload's shape until prefill is over, then profiles
-`--steps` decode steps with torch.profiler and CUDA's sync debug mode. (Its draws are
+Runs --num-seqs requests of the offline workload's shape until prefill is over, then profiles
+20 decode steps with torch.profiler and CUDA's sync debug mode. (Its draws are
 bench.py's ranges taken request by request, prompt then max_tokens: not the offline
 workload's requests, which draw all prompts first.) `--prefill` profiles the prefill steps
 instead (the first ~9 steps of 16,384 tokens, after a warm-up request set of the same
@@ -23,28 +22,24 @@ import warnings
 import torch
 
 from benchmarks.random_model import qwen3_random_model
-from benchmarks.switches import add_switches, apply_switches
+
+STEPS = 20  # decode steps profiled
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--no-overlap", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="(default: the random-weight Qwen3-0.6B)")
     ap.add_argument("--num-seqs", type=int, default=256, help="rows in the profiled decode")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--prefill", action="store_true", help="profile the prefill steps")
-    ap.add_argument("--fp8-attention", choices=["off", "q", "qp"], default="off")
-    add_switches(ap)  # every switch: a profile of either side of any of them
     args = ap.parse_args()
 
     from nanovllm import LLM, SamplingParams
-    apply_switches(args)
 
     path = args.model or str(qwen3_random_model())
     llm = LLM(path, max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
-              overlap=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype,
-              fp8_attention=args.fp8_attention)
+              kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     random.seed(0)
 
@@ -71,16 +66,15 @@ def main() -> None:
 
     def run() -> int:
         if not args.prefill:
-            for _ in range(args.steps):
+            for _ in range(STEPS):
                 engine.step()
-            return args.steps
+            return STEPS
         n = 0
         while in_prefill():
             engine.step()
             n += 1
         return n
 
-    parts = _time_launch_parts()
     if not args.prefill:  # unprofiled first: host time by part, nothing but perf_counter
         torch.cuda.synchronize()
         t_before, start = dict(engine.timing), time.perf_counter()
@@ -88,9 +82,8 @@ def main() -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
         print(f"unprofiled, {len(engine.scheduler.running)} rows: "
-              f"{wall / args.steps * 1e3:.2f} ms/step")
-        _print_host_parts(engine, t_before, parts, args.steps)
-    parts.clear()
+              f"{wall / STEPS * 1e3:.2f} ms/step")
+        _print_host_parts(engine, t_before, STEPS)
     torch.cuda.synchronize()
     t0 = dict(engine.timing)
     start = time.perf_counter()
@@ -107,7 +100,7 @@ def main() -> None:
     rows = len(engine.scheduler.running)
     print(f"{steps} {'prefill' if args.prefill else 'decode'} steps, {rows} rows, "
           f"overlap={engine.overlap}: {wall / steps * 1e3:.2f} ms/step (profiled)")
-    _print_host_parts(engine, t0, parts, steps)
+    _print_host_parts(engine, t0, steps)
     kernel_us = sum(e.device_time_total for e in prof.key_averages()
                     if e.device_type == torch.autograd.DeviceType.CUDA)
     print(f"GPU kernel time {kernel_us / steps / 1e3:.2f} ms/step "
@@ -126,36 +119,9 @@ def main() -> None:
     print(table)
 
 
-def _print_host_parts(engine, timing_before: dict, parts: dict, steps: int) -> None:
+def _print_host_parts(engine, timing_before: dict, steps: int) -> None:
     print("  host ms/step: " + ", ".join(
         f"{k} {(v - timing_before[k]) / steps * 1e3:.2f}" for k, v in engine.timing.items()))
-    print("  inside launch, ms/step: " + ", ".join(
-        f"{k} {v / steps * 1e3:.2f}" for k, v in parts.items()))
-
-
-def _time_launch_parts() -> dict[str, float]:
-    """Wrap the pieces of ModelRunner.launch with host timers (seconds, summed)."""
-    from nanovllm.worker import model_runner as mr
-    from nanovllm.worker import sampling
-
-    parts: dict[str, float] = {}
-
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
-        return wrapper
-
-    sampling.build_sampling_tensors = timed("build_sampling_tensors",
-                                            sampling.build_sampling_tensors)
-    sampling.StepSampler.sample = timed("sample", sampling.StepSampler.sample)
-    for name in ("_fill_placeholders", "_handle"):
-        setattr(mr.ModelRunner, name, timed(name, getattr(mr.ModelRunner, name)))
-    mr.InputBuffers.prepare = timed("prepare", mr.InputBuffers.prepare)
-    return parts
 
 
 if __name__ == "__main__":

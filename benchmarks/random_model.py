@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.workloads import QWEN3_CONFIG
+
 # a checkpoint directory is complete once this file exists: a run killed mid-write rebuilds it
 DONE_MARKER = ".complete"
 
@@ -105,14 +107,32 @@ def build_random_model(cfg: dict, path: Path, seed: int = 0) -> tuple[Path, bool
     return path, True
 
 
+QWEN3_8B = {  # Qwen3-8B's config.json, the fields a decoder reads
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128,
+    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "vocab_size": 151936, "bos_token_id": 151643,
+    "eos_token_id": 151645, "attention_bias": False, "hidden_act": "silu",
+}
+TINY = dict(QWEN3_8B, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024,
+            torch_dtype="float32", tie_word_embeddings=True)
+
+
+def shape_config(name: str) -> dict:
+    """The config.json of a named shape: "8b", "0.6b" (Qwen3's) or "tiny" (a CPU smoke run's)."""
+    if name == "0.6b":
+        return json.loads(QWEN3_CONFIG.read_text())
+    return {"8b": QWEN3_8B, "tiny": TINY}[name]
+
+
 QWEN3_RANDOM_DIR = "/tmp/nanovllm-qwen3-0.6b-random"  # shared by the GPU benchmarks
 
 
 def qwen3_random_model() -> Path:
     """The random-weight Qwen3-0.6B the GPU benchmarks share, built once in
     QWEN3_RANDOM_DIR (`python -m benchmarks.random_model` prints its path)."""
-    from benchmarks.workloads import QWEN3_CONFIG
-
     return build_random_model(json.loads(QWEN3_CONFIG.read_text()), Path(QWEN3_RANDOM_DIR))[0]
 
 

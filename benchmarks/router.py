@@ -3,16 +3,14 @@ a shared-prefix workload: prefix-cache hit rate and TTFT.
 
     python -m benchmarks.router                       # 2 CPU servers, the default model
     python -m benchmarks.router --launch "--device cuda --max-num-seqs 256" --workers 2
-    python -m benchmarks.router --worker-cache-docs 0 # each server's KV cache as it sizes it
 
 For each policy: --workers fresh `nanovllm serve` processes (each with --launch's flags),
 then `python -m sglang_router.launch_router --policy P` in front of them, then the same
-requests: --docs documents of about --doc-words words, --requests requests, each a document
-(a seeded random draw) and its own question, sent --concurrency at a time through the
-router, streamed, --max-tokens tokens each. Each server's KV cache holds about
---worker-cache-docs documents' prompts (default: its share, --docs / --workers), so the
-documents fit in the servers' caches together but not in one: the case a cache-aware router
-is for (with 0, each server sizes its cache itself, and on a CPU it holds every document).
+requests: --docs documents of about 300 words, 96 requests, each a document (a seeded random
+draw) and its own question, sent 4 at a time through the router, streamed, 4 tokens each.
+Each server's KV cache holds about its share of the documents' prompts (--docs / --workers;
+unless --launch sets --num-kv-blocks), so the documents fit in the servers' caches together
+but not in one: the case a cache-aware router is for.
 The hit rate is the servers' own count
 (nanovllm:prefix_cache_hits / nanovllm:prefix_cache_queries from each /metrics, summed): the
 share of prompt tokens served from a prefix cache. TTFT is timed at the client.
@@ -35,6 +33,11 @@ import httpx
 
 from benchmarks.serve import free_port, launch, stop
 from benchmarks.workloads import SUBJECTS, TASKS
+
+POLICIES = ("cache_aware", "round_robin")
+DOC_WORDS = 300
+MAX_TOKENS = 4
+REQUESTS, CONCURRENCY = 96, 4  # sent through the router, that many at a time
 
 
 def counter(text: str, name: str) -> float:
@@ -113,8 +116,8 @@ def run_policy(policy: str, args, prompts: list[str], logs: Path) -> dict:
             time.sleep(0.25)
         model = httpx.get(workers[0][1] + "/v1/models").json()["data"][0]["id"]
         start = time.perf_counter()
-        ttfts = sorted(asyncio.run(drive(url, model, prompts, args.concurrency,
-                                         args.max_tokens)))
+        ttfts = sorted(asyncio.run(drive(url, model, prompts, CONCURRENCY,
+                                         MAX_TOKENS)))
         wall = time.perf_counter() - start
         texts = [httpx.get(u + "/metrics").text for _, u in workers]
     finally:
@@ -137,41 +140,31 @@ def main() -> None:
                     help="flags of each `nanovllm serve`")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--docs", type=int, default=32)
-    ap.add_argument("--doc-words", type=int, default=300)
-    ap.add_argument("--requests", type=int, default=96)
-    ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--worker-cache-docs", type=int, default=None,
-                    help="size each server's KV cache for about this many documents "
-                    "(default: --docs / --workers; 0: the server's own sizing)")
-    ap.add_argument("--policies", default="cache_aware,round_robin")
     ap.add_argument("--out", help="write the figures to this JSON file")
     args = ap.parse_args()
 
-    docs = documents(args.docs, args.doc_words, seed=0)
+    docs = documents(args.docs, DOC_WORDS, seed=0)
     rng = random.Random(1)
     prompts = [f"{rng.choice(docs)}\n\nQuestion {i}: summarize the text above in one line."
-               for i in range(args.requests)]
-    cache_docs = args.docs // args.workers if args.worker_cache_docs is None \
-        else args.worker_cache_docs
+               for i in range(REQUESTS)]
+    cache_docs = args.docs // args.workers
     launch = shlex.split(args.launch)
     if cache_docs and "--num-kv-blocks" not in launch:
-        blocks = cache_blocks(launch, prompts, cache_docs, args.concurrency)
+        blocks = cache_blocks(launch, prompts, cache_docs, CONCURRENCY)
         args.launch += f" --num-kv-blocks {blocks}"
         print(f"each server's KV cache: {blocks} blocks, about {cache_docs} of the "
               f"{args.docs} documents")
     logs = Path(tempfile.mkdtemp(prefix="nanovllm-router-"))
-    results = [run_policy(p, args, prompts, logs) for p in args.policies.split(",")]
-    print(f"{args.requests} requests over {args.docs} documents of {args.doc_words} words, "
-          f"{args.concurrency} at a time, {args.workers} workers ({args.launch}); logs {logs}")
+    results = [run_policy(p, args, prompts, logs) for p in POLICIES]
+    print(f"{REQUESTS} requests over {args.docs} documents of {DOC_WORDS} words, "
+          f"{CONCURRENCY} at a time, {args.workers} workers ({args.launch}); logs {logs}")
     for r in results:
         print(f"  {r['policy']:<12} prefix-cache hit rate {r['hit_rate']:6.1%}  TTFT p50 "
               f"{r['ttft_p50_s'] * 1e3:7.0f} ms  p90 {r['ttft_p90_s'] * 1e3:7.0f} ms  wall "
               f"{r['wall_s']:6.1f} s  requests per worker {r['requests_per_worker']}")
-    if len(results) == 2:
-        a, b = results
-        print(f"  {a['policy']} / {b['policy']}: hit rate {a['hit_rate'] / b['hit_rate']:.2f}x, "
-              f"TTFT p50 {b['ttft_p50_s'] / a['ttft_p50_s']:.2f}x lower")
+    a, b = results
+    print(f"  {a['policy']} / {b['policy']}: hit rate {a['hit_rate'] / b['hit_rate']:.2f}x, "
+          f"TTFT p50 {b['ttft_p50_s'] / a['ttft_p50_s']:.2f}x lower")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
 

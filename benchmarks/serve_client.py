@@ -1,23 +1,22 @@
-"""The serving benchmark's client (benchmarks/serve.py): streamed requests over HTTP, sent
-as a Poisson process from one or more processes, and each rate's latencies and throughput.
+"""The serving benchmark's client (benchmarks/serve.py): streamed requests over HTTP
+(aiohttp), sent as a Poisson process from one or more processes, and each rate's latencies
+and throughput (summarize).
 
 --client-procs' spawned processes run drive_shard from this module, not from serve.py's
 __main__.
 """
 
 import asyncio
-import contextlib
 import json
 import math
 import multiprocessing
+import os
 import random
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
-import httpx
-
-from benchmarks.serve_report import summarize, timeline
+import aiohttp
 
 
 @dataclass
@@ -37,18 +36,12 @@ class Result:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     chunks: int = 0
-    sent_at: float = 0.0  # wall clock (time.time()): the request's start, first text, end
-    first_at: float | None = None
-    ended_at: float | None = None
 
 
 JSON_HEADERS = {"content-type": "application/json"}
-try:  # what a failed request raises, with either client
-    import aiohttp
-
-    CLIENT_ERRORS: tuple = (httpx.HTTPError, aiohttp.ClientError, asyncio.TimeoutError)
-except ImportError:
-    CLIENT_ERRORS = (httpx.HTTPError,)
+CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)  # what a failed request raises
+REQUEST_TIMEOUT_S = 1800
+SEED = 0  # the prompts' and the arrivals' draws
 
 
 def encode_body(model: str, req: Request) -> bytes:
@@ -56,34 +49,22 @@ def encode_body(model: str, req: Request) -> bytes:
     return json.dumps(body).encode()
 
 
-@contextlib.asynccontextmanager
-async def _post(client, path: str, body: bytes):
-    """POST `body` and stream the reply, with either HTTP client: (status, an async iterator
-    over the body's bytes as they come, a coroutine function reading the rest)."""
-    if isinstance(client, httpx.AsyncClient):
-        async with client.stream("POST", path, content=body, headers=JSON_HEADERS) as resp:
-            yield resp.status_code, resp.aiter_bytes(), resp.aread
-    else:  # an aiohttp.ClientSession
-        async with client.post(path, data=body, headers=JSON_HEADERS) as resp:
-            yield resp.status, resp.content.iter_any(), resp.read
-
-
-async def send(client, model: str, req: Request, body: bytes | None = None) -> Result:
-    """One streamed request over `client` (httpx or aiohttp, see http_clients); `body`, its
-    JSON encoded ahead of time (encode_body), keeps a burst's requests from waiting on each
-    other's encoding."""
+async def send(session: aiohttp.ClientSession, model: str, req: Request,
+               body: bytes | None = None) -> Result:
+    """One streamed request; `body`, its JSON encoded ahead of time (encode_body), keeps a
+    burst's requests from waiting on each other's encoding."""
     if body is None:
         body = encode_body(model, req)
     stamps: list[float] = []
     usage_tokens = None
-    sent_at, t0 = time.time(), time.perf_counter()
+    t0 = time.perf_counter()
     try:
-        async with _post(client, req.path, body) as (status, chunks, read_rest):
-            if status != 200:
-                text = (await read_rest()).decode(errors="replace")
-                return Result(False, f"HTTP {status}: {text[:200]}", sent_at=sent_at)
+        async with session.post(req.path, data=body, headers=JSON_HEADERS) as resp:
+            if resp.status != 200:
+                text = (await resp.read()).decode(errors="replace")
+                return Result(False, f"HTTP {resp.status}: {text[:200]}")
             buf = b""
-            async for data in chunks:
+            async for data in resp.content.iter_any():
                 now = time.perf_counter()
                 buf += data.replace(b"\r\n", b"\n") if b"\r" in data else data
                 *events, buf = buf.split(b"\n\n")
@@ -98,10 +79,10 @@ async def send(client, model: str, req: Request, body: bytes | None = None) -> R
                         if c.get("text") or delta.get("content"):
                             stamps.append(now)
     except CLIENT_ERRORS as e:
-        return Result(False, f"{type(e).__name__}: {e}", sent_at=sent_at)
+        return Result(False, f"{type(e).__name__}: {e}")
     end = time.perf_counter()
     if not stamps:
-        return Result(False, "no text streamed", sent_at=sent_at)
+        return Result(False, "no text streamed")
     return Result(
         ok=True,
         ttft=stamps[0] - t0,
@@ -109,108 +90,57 @@ async def send(client, model: str, req: Request, body: bytes | None = None) -> R
         itl=[b - a for a, b in zip(stamps, stamps[1:])],
         output_tokens=usage_tokens if usage_tokens is not None else len(stamps),
         chunks=len(stamps),
-        sent_at=sent_at,
-        first_at=sent_at + stamps[0] - t0,
-        ended_at=sent_at + end - t0,
     )
 
 
-# requests one httpx client carries at once: its connection pool scans every connection it
-# holds each time a request starts or ends (httpcore's _assign_requests_to_connections), so
-# one client carrying a burst of 256 streams spent most of its process's CPU there (4.6 of
-# 5.7 s in a profile) and read the streams late; clients of 16 keep that scan short
-STREAMS_PER_CLIENT = 16
-
-
-def _auth(args) -> dict:
-    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-
-
-def http_client(args, base_url: str) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(args.request_timeout)
-    return httpx.AsyncClient(base_url=base_url, headers=_auth(args), limits=limits,
-                             timeout=timeout)
-
-
-def aiohttp_session(args, base_url: str):
-    import aiohttp
-
+def session(base_url: str) -> aiohttp.ClientSession:
+    key = os.environ.get("NANOVLLM_API_KEY")
     return aiohttp.ClientSession(
-        base_url=base_url, headers=_auth(args),
+        base_url=base_url, headers={"Authorization": f"Bearer {key}"} if key else {},
         # idle connections close on this side first: uvicorn closes them after 5 s, and a
         # request sent on one it is closing fails
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
-        timeout=aiohttp.ClientTimeout(total=args.request_timeout))
+        timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
 
 
-@contextlib.asynccontextmanager
-async def http_clients(args, base_url: str, concurrent: int):
-    """The clients a process sends through: with --client httpx, enough clients for
-    `concurrent` streams at args.streams_per_client each (0: one); with aiohttp, one session
-    (its connector hands out idle connections without scanning them all)."""
-    async with contextlib.AsyncExitStack() as stack:
-        if args.client == "aiohttp":
-            clients = [aiohttp_session(args, base_url)]
-        else:
-            n = max(1, math.ceil(concurrent / (args.streams_per_client or concurrent)))
-            clients = [http_client(args, base_url) for _ in range(n)]
-        yield [await stack.enter_async_context(c) for c in clients]
+async def open_connections(client: aiohttp.ClientSession, count: int) -> None:
+    """`count` connections opened and left idle in the session's pool (and this process's
+    HTTP code run once): as many requests to /health at once."""
+    async def health() -> None:
+        async with client.get("/health") as resp:
+            await resp.read()
+
+    await asyncio.gather(*(health() for _ in range(count)))
 
 
-async def open_connections(clients: list, count: int) -> None:
-    """`count` connections on each client, opened and left idle in its pool (and this
-    process's HTTP code run once): as many requests to /health at once."""
-    async def health(client) -> None:
-        if isinstance(client, httpx.AsyncClient):
-            (await client.get("/health")).raise_for_status()
-        else:
-            async with client.get("/health") as resp:
-                await resp.read()
-
-    await asyncio.gather(*(health(c) for c in clients for _ in range(count)))
-
-
-async def warm_up(args, base_url: str, model: str, reqs: list[Request]) -> None:
+async def warm_up(base_url: str, model: str, reqs: list[Request]) -> None:
     """Every prompt once, all at once, 4 tokens each: the engine meets the workload's batch
     shapes (allocator growth, kernel choices) before anything is timed."""
-    async with http_clients(args, base_url, len(reqs)) as clients:
-        results = await asyncio.gather(*(
-            send(clients[i % len(clients)], model, warmup_request(r)) for i, r in enumerate(reqs)
-        ))
+    async with session(base_url) as client:
+        results = await asyncio.gather(*(send(client, model, warmup_request(r)) for r in reqs))
     failed = [r.error for r in results if not r.ok]
     if failed:
         print(f"warm-up: {len(failed)} requests failed, e.g. {failed[0]}")
 
 
-async def drive(args, base_url, model, reqs, rate, seed, start_at) -> tuple:
+async def drive(base_url, model, reqs, rate, seed, start_at) -> tuple:
     """Send `reqs` as a Poisson process of `rate` from wall time `start_at` (or once the
     connections are open, if later); the results, the wall times this process started and
     its last request ended, and its CPU seconds in between."""
     rng = random.Random(seed)
-    limit = asyncio.Semaphore(args.max_concurrency or len(reqs))
-
-    async def limited(client, req, body):
-        async with limit:
-            return await send(client, model, req, body)
-
     # encoded before the start: at rate inf, a burst's first request goes out only after
     # every task of the burst has run to its first wait (asyncio runs them in turn)
     bodies = [encode_body(model, r) for r in reqs]
-    concurrent = args.max_concurrency or len(reqs)
-    async with http_clients(args, base_url, concurrent) as clients:
-        if args.warm_connections:
-            # a connection for each stream, opened (and this process's HTTP code run once)
-            # before the start, as a long-running client holds them: without, the burst's
-            # first request reached the engine ~0.4 s into the run, after the connects
-            # and first steps of every request of the process (BENCHMARKS.md)
-            await open_connections(clients, math.ceil(concurrent / len(clients)))
+    async with session(base_url) as client:
+        # a connection for each stream, opened before the start, as a long-running client
+        # holds them: without, a burst's first request reaches the engine only after the
+        # connects of every request of the process
+        await open_connections(client, len(reqs))
         await asyncio.sleep(max(0.0, start_at - time.time()))
         started, cpu0 = time.time(), time.process_time()
         tasks = []
-        for i, (req, body) in enumerate(zip(reqs, bodies)):
-            client = clients[i % len(clients)]
-            tasks.append(asyncio.create_task(limited(client, req, body)))
+        for req, body in zip(reqs, bodies):
+            tasks.append(asyncio.create_task(send(client, model, req, body)))
             if math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
@@ -221,20 +151,21 @@ def drive_shard(*a) -> tuple:
     return asyncio.run(drive(*a))
 
 
-def run_rate(args, base_url: str, model: str, reqs: list[Request], rate: float) -> dict:
+def run_rate(client_procs: int, base_url: str, model: str, reqs: list[Request],
+             rate: float) -> dict:
     """One rate. With --client-procs P, P processes each send every P-th request at rate/P
     (P independent Poisson processes add up to one of the full rate)."""
-    procs = min(args.client_procs, len(reqs))
+    procs = min(client_procs, len(reqs))
     start_at = time.time() + (3.0 if procs > 1 else 0.0)  # time for the workers to start
     if procs == 1:
-        parts = [drive_shard(args, base_url, model, reqs, rate, args.seed + 1, start_at)]
+        parts = [drive_shard(base_url, model, reqs, rate, SEED + 1, start_at)]
     else:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(procs, mp_context=ctx) as pool:
             futures = [
                 pool.submit(
-                    drive_shard, args, base_url, model, reqs[i::procs], rate / procs,
-                    args.seed + 1 + i, start_at,
+                    drive_shard, base_url, model, reqs[i::procs], rate / procs,
+                    SEED + 1 + i, start_at,
                 )
                 for i in range(procs)
             ]  # fmt: skip
@@ -242,15 +173,55 @@ def run_rate(args, base_url: str, model: str, reqs: list[Request], rate: float) 
     results: list = [None] * len(reqs)
     for i, (part, _, _, _) in enumerate(parts):
         results[i::procs] = part
-    # from the first process's start: opening connections (--warm-connections) is not timed
+    # from the first process's start: opening connections is not timed
     start = min(started for _, started, _, _ in parts)
     duration = max(end for _, _, end, _ in parts) - start
     cpu = max(cpu for _, _, _, cpu in parts)  # the busiest client process
-    run = summarize(rate, results, reqs, duration, cpu)
-    run["start_at"] = start
-    run["timeline_s"] = timeline(results, start)
-    return run
+    return summarize(rate, results, reqs, duration, cpu)
 
 
 def warmup_request(req: Request) -> Request:
     return Request(dict(req.body, max_tokens=4), req.path, req.prompt, 4)
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    xs = sorted(values)
+
+    def pct(q: float) -> float:  # linear interpolation, as numpy's default
+        k = (len(xs) - 1) * q / 100
+        lo, hi = math.floor(k), math.ceil(k)
+        return 1000 * (xs[lo] + (xs[hi] - xs[lo]) * (k - lo))
+
+    return {"mean": 1000 * sum(xs) / len(xs), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
+
+
+def summarize(rate, results: list["Result"], reqs, duration: float, cpu: float) -> dict:
+    ok = [r for r in results if r.ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    out_tokens = sum(r.output_tokens for r in ok)
+    wrong_len = sum(r.output_tokens != q.output_len for r, q in zip(results, reqs) if r.ok)
+    return {
+        "rate": "inf" if math.isinf(rate) else rate,
+        "requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors,
+        "wrong_length": wrong_len,
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "output_tokens": out_tokens,
+        "tokens_per_chunk": out_tokens / max(1, sum(r.chunks for r in ok)),
+        "ttft_ms": percentiles([r.ttft for r in ok]),
+        "itl_ms": percentiles([x for r in ok for x in r.itl]),
+        "tpot_ms": percentiles(
+            [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+        ),
+        "e2e_ms": percentiles([r.e2e for r in ok]),
+        "client_cpu_frac": cpu / duration,
+    }

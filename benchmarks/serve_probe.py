@@ -3,11 +3,8 @@ of its processes' CPU time, read from /proc, and its engines' counters, read fro
 (steps, and the engine loop's time by phase, which an offline run of the same work reports
 too: LLMEngine.timing)."""
 
-import math
 import os
 import re
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -128,51 +125,3 @@ def report_steps(before, after, run: dict) -> None:
         run["engine_gc_s"] = gc_s
         print(f"       engine gc pauses: full {gc_s.get('2', 0.0):.3f} s, younger "
               f"{gc_s.get('0', 0.0) + gc_s.get('1', 0.0):.3f} s")
-
-
-class IdleSampler:
-    """Reads the engines' counters every `interval` seconds while a run goes on (from the
-    benchmark's main process, which waits on its client processes meanwhile): when, in the
-    run, the engine sat idle (no request to step). Costs the server one /metrics request
-    (and a StatsQuery per engine) per sample."""
-
-    def __init__(self, base_url: str, headers: dict, interval: float = 0.1) -> None:
-        self.base_url, self.headers, self.interval = base_url, headers, interval
-        self.samples: list[tuple[float, dict]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="idle-sampler", daemon=True)
-
-    def __enter__(self) -> "IdleSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            counters = engine_counters(self.base_url, self.headers)
-            if counters is not None:
-                self.samples.append((time.time(), counters))
-            self._stop.wait(self.interval)
-
-    def idle_by_second(self, start_at: float, end: float) -> list[float]:
-        """Seconds of engine idle in each second of the run [start_at, end) (summed over
-        the engines with --data-parallel-size): the counter's growth between samples, put
-        in the second each sample interval ends in."""
-        buckets = [0.0] * max(1, math.ceil(end - start_at))
-        for (_, a), (t, b) in zip(self.samples, self.samples[1:]):
-            k = math.floor(t - start_at)
-            if 0 <= k < len(buckets):
-                buckets[k] += b.get("idle", 0.0) - a.get("idle", 0.0)
-        return buckets
-
-
-def report_idle(sampler: IdleSampler, run: dict) -> None:
-    """Print and keep the engine's idle seconds per second of the run."""
-    if len(sampler.samples) < 2 or "start_at" not in run:
-        return
-    idle = sampler.idle_by_second(run["start_at"], run["start_at"] + run["duration_s"])
-    run["engine_idle_by_second"] = idle
-    print("       engine idle by second of the run: " + " ".join(f"{x:.2f}" for x in idle))

@@ -1,71 +1,9 @@
-"""The serving benchmark's report (benchmarks/serve.py): each rate's figures from its
-requests' results (summarize, timeline), a table row per request rate and a PNG of the
-latency percentiles and throughput against the rate."""
+"""The serving benchmark's report (benchmarks/serve.py): a table row per request rate, a PNG
+of the latency percentiles and throughput against the rate, and the saturated server's
+throughput against offline's."""
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from benchmarks.serve_client import Result
-
-
-def percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    xs = sorted(values)
-
-    def pct(q: float) -> float:  # linear interpolation, as numpy's default
-        k = (len(xs) - 1) * q / 100
-        lo, hi = math.floor(k), math.ceil(k)
-        return 1000 * (xs[lo] + (xs[hi] - xs[lo]) * (k - lo))
-
-    return {"mean": 1000 * sum(xs) / len(xs), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
-
-
-def summarize(rate, results: list["Result"], reqs, duration: float, cpu: float) -> dict:
-    ok = [r for r in results if r.ok]
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            errors[r.error] = errors.get(r.error, 0) + 1
-    out_tokens = sum(r.output_tokens for r in ok)
-    wrong_len = sum(r.output_tokens != q.output_len for r, q in zip(results, reqs) if r.ok)
-    return {
-        "rate": "inf" if math.isinf(rate) else rate,
-        "requests": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": errors,
-        "wrong_length": wrong_len,
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration,
-        "output_throughput": out_tokens / duration,
-        "output_tokens": out_tokens,
-        "tokens_per_chunk": out_tokens / max(1, sum(r.chunks for r in ok)),
-        "ttft_ms": percentiles([r.ttft for r in ok]),
-        "itl_ms": percentiles([x for r in ok for x in r.itl]),
-        "tpot_ms": percentiles(
-            [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-        ),
-        "e2e_ms": percentiles([r.e2e for r in ok]),
-        "client_cpu_frac": cpu / duration,
-    }
-
-
-def timeline(results: list["Result"], start_at: float) -> dict:
-    """When, in seconds from the run's start, the requests went out (first and last), the
-    first text came back, and the first and last request ended: with the engine's own step
-    trace (its header's unix start) this says whether a run's time went to the client, the
-    front ends or the engine."""
-    ok = [r for r in results if r.ok]
-    if not ok:
-        return {}
-    sent = [r.sent_at - start_at for r in results]
-    ended = [r.ended_at - start_at for r in ok]
-    return {"first_sent": min(sent), "last_sent": max(sent),
-            "first_text": min(r.first_at for r in ok) - start_at,
-            "first_ended": min(ended), "last_ended": max(ended)}
 
 
 def print_table(runs: list[dict]) -> None:
@@ -83,11 +21,6 @@ def print_table(runs: list[dict]) -> None:
         print(line)
         if r["failed"]:
             print(f"       {r['failed']} failed: {r['errors']}")
-        t = r.get("timeline_s")
-        if t:
-            print(f"       client timeline: sent {t['first_sent']:.2f}-{t['last_sent']:.2f} s, "
-                  f"first text {t['first_text']:.2f} s, ended {t['first_ended']:.2f}-"
-                  f"{t['last_ended']:.2f} s")
         if r["wrong_length"]:
             print(f"       {r['wrong_length']} responses had a different length than asked")
         if r["client_cpu_frac"] > 0.8:

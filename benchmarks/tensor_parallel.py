@@ -3,8 +3,6 @@
     python -m benchmarks.tensor_parallel                 # Qwen3-8B's shape, TP 1 and 2 (GPUs)
     python -m benchmarks.tensor_parallel --shape 0.6b --tp 1 2
     python -m benchmarks.tensor_parallel --quick         # CPU smoke test: tiny model, gloo
-    python -m benchmarks.tensor_parallel --all-reduce nccl symm_mem   # TP>1 with each
-    python -m benchmarks.tensor_parallel --latency-only  # batch 1 only (no seed workload)
 
 Each engine runs with its defaults (plus max_model_len 4096, as the seed's bench.py) in a
 child process of its own, one after the other, on random bf16 weights written once:
@@ -26,8 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.kv_tiers import shape_config
-from benchmarks.random_model import build_random_model
+from benchmarks.random_model import build_random_model, shape_config
 from benchmarks.workloads import seed_workload
 
 QUICK = dict(num_seqs=8, max_len=64)
@@ -38,14 +35,8 @@ def child(args: argparse.Namespace) -> dict:
 
     quick = args.quick
     opts = dict(max_model_len=4096 if not quick else 512, tensor_parallel_size=args.child)
-    if args.child > 1:
-        opts.update(all_reduce=args.all_reduce[0])
     if quick:
         opts.update(device="cpu", num_kv_blocks=512)
-    if args.max_num_seqs:
-        opts.update(max_num_seqs=args.max_num_seqs)
-    if args.max_num_batched_tokens:
-        opts.update(max_num_batched_tokens=args.max_num_batched_tokens)
     start = time.perf_counter()
     llm = LLM(args.model, **opts)
     load_s = time.perf_counter() - start
@@ -55,12 +46,10 @@ def child(args: argparse.Namespace) -> dict:
     vocab = engine_vocab = llm.engine.model_config.vocab_size
     prompts = [[t % vocab for t in p] for p in prompts] if engine_vocab < 10001 else prompts
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
-    tokens, elapsed = 0, float("nan")
-    if not args.latency_only:
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        tokens = sum(len(o.token_ids) for o in outs)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
     # batch 1: step the engine by hand to time each token
     engine = llm.engine
     out_len = 32 if quick else 256
@@ -78,7 +67,7 @@ def child(args: argparse.Namespace) -> dict:
     greedy = llm.generate(prompts[:8], SamplingParams(temperature=0, ignore_eos=True,
                                                       max_tokens=32), use_tqdm=False)
     result = {
-        "tp": args.child, "all_reduce": opts.get("all_reduce", "-"), "load_s": load_s,
+        "tp": args.child, "load_s": load_s,
         "elapsed_s": elapsed, "output_tokens": tokens,
         "throughput": tokens / elapsed, "batch1_token_ms": per_token * 1e3,
         "batch1_tokens_timed": len(stamps), "engine": engine.config.summary(),
@@ -92,16 +81,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="8b", choices=["8b", "0.6b", "tiny"])
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--model-dir", default=None, help="where the random model is written")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU")
-    ap.add_argument("--max-num-seqs", type=int, default=None, help="(default: the engine's)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="(default: the engine's)")
-    ap.add_argument("--all-reduce", nargs="+", default=["nccl"], choices=["nccl", "symm_mem"],
-                    help="run each TP>1 size with each of these all-reduces")
-    ap.add_argument("--latency-only", action="store_true",
-                    help="batch-1 latency and agreement only, not the seed workload")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -111,34 +92,29 @@ def main() -> None:
         return
     shape = "tiny" if args.quick else args.shape
     cfg = shape_config(shape)
-    model_dir = Path(args.model_dir or Path(tempfile.gettempdir()) / f"nanovllm-{shape}")
+    model_dir = Path(tempfile.gettempdir()) / f"nanovllm-{shape}"
     model, _ = build_random_model(cfg, model_dir)
     results = []
-    runs = [(tp, ar) for tp in args.tp for ar in (args.all_reduce if tp > 1 else ["nccl"])]
-    for tp, all_reduce in runs:
+    for tp in args.tp:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, "-m", "benchmarks.tensor_parallel", "--child", str(tp),
-                   "--model", str(model), "--result", f.name, "--all-reduce", all_reduce]
+                   "--model", str(model), "--result", f.name]
             cmd += ["--quick"] if args.quick else []
-            cmd += ["--latency-only"] if args.latency_only else []
-            for flag in ("max_num_seqs", "max_num_batched_tokens"):
-                if getattr(args, flag):
-                    cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
             subprocess.run(cmd, check=True)
             results.append(json.loads(Path(f.name).read_text()))
     base = results[0]
     print(f"\nshape {shape}; {base['output_tokens']} output tokens per run")
-    print(f"{'TP':>3} {'all-reduce':>10} {'tok/s':>10} {'x TP1':>7} {'batch-1 ms/token':>17} "
+    print(f"{'TP':>3} {'tok/s':>10} {'x TP1':>7} {'batch-1 ms/token':>17} "
           f"{'TP1 / this':>10} {'greedy = TP1':>13} {'load s':>7}")
     for r in results:
         same = sum(a == b for a, b in zip(r["greedy"], base["greedy"]))
         ratio = r["throughput"] / base["throughput"]
         faster = base["batch1_token_ms"] / r["batch1_token_ms"]
-        print(f"{r['tp']:>3} {r['all_reduce']:>10} {r['throughput']:>10,.0f} {ratio:>6.2f}x "
+        print(f"{r['tp']:>3} {r['throughput']:>10,.0f} {ratio:>6.2f}x "
               f"{r['batch1_token_ms']:>17.2f} {faster:>9.2f}x "
               f"{same:>9}/{len(r['greedy'])} {r['load_s']:>7.1f}")
     for r in results:
-        print(f"TP={r['tp']} ({r['all_reduce']}): {r['engine']}")
+        print(f"TP={r['tp']}: {r['engine']}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

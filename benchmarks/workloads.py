@@ -24,7 +24,7 @@ TASKS = [
     "List everything you know about {}, one point per line.",
     "Describe the history of {} in as much detail as you can.",
 ]
-# short chat questions with short answers (benchmarks/cpu.py)
+# short chat questions with short answers (benchmarks/cpu_peer.py)
 CHAT_QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.",
     "List three primary colors.", "How many legs does a spider have?",
@@ -70,27 +70,15 @@ def random_requests(
     output_lens: tuple[int, int],
     token_ids: tuple[int, int],
     seed: int,
-    output_len_first: bool = True,
 ) -> list[tuple[list[int], int]]:
     """`num` (prompt, output length) pairs: lengths uniform in the inclusive ranges (at least
-    1), token ids uniform in `token_ids` (inclusive). serve.py draws each request's output
-    length before its prompt, engine_loop.py after it (`output_len_first=False`)."""
+    1), token ids uniform in `token_ids` (inclusive); each request's output length is drawn
+    before its prompt."""
     rng = random.Random(seed)
     lo, hi = token_ids
     reqs = []
     for _ in range(num):
-        first = draw_length(rng, output_lens) if output_len_first else 0
-        ids = [rng.randint(lo, hi) for _ in range(draw_length(rng, input_lens))]
-        reqs.append((ids, first if output_len_first else draw_length(rng, output_lens)))
-    return reqs
-
-
-def text_requests(num: int, output_lens: tuple[int, int], seed: int) -> list[tuple[str, int]]:
-    """`num` (question, output length) pairs: a task about a subject (SUBJECTS x TASKS),
-    numbered so that no two share a prompt; output lengths as in random_requests."""
-    rng = random.Random(seed)
-    reqs = []
-    for i in range(num):
         out_len = draw_length(rng, output_lens)
-        reqs.append((rng.choice(TASKS).format(rng.choice(SUBJECTS)) + f" (#{i})", out_len))
+        ids = [rng.randint(lo, hi) for _ in range(draw_length(rng, input_lens))]
+        reqs.append((ids, out_len))
     return reqs
