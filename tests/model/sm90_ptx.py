@@ -11,11 +11,10 @@ folded and those divisible by 16 marked so (unless the kernel says do_not_specia
 Prints one JSON object per compiled launch: kernel, case, the PTX's loads by kind and width,
 its count of shared-memory stores, the shared memory it needs and, from the cubin (through
 the cuobjdump Triton ships), its registers a thread and bytes spilled to local memory.
-`--fresh` adds the prefill kernel with paged_attention's `fresh` over each cache.
-`--decode-tiles` instead compiles the decode kernels at the tiles benchmarks/attention.py
---decode-buffers times, and says how many buffers each tile's K/V loads got. `--dump DIR`
-also writes each compiled launch's PTX, TTGIR (its loads' thread layouts) and cubin (SASS
-through `cuobjdump -sass`) into DIR, numbered in launch order.
+The fp8 cache's prefill reads the chunk's own positions from `fresh`, as an engine's does;
+`--fresh` adds the prefill with `fresh` over the bf16 cache. `--dump DIR` also writes each
+compiled launch's PTX, TTGIR (its loads' thread layouts) and cubin (SASS through
+`cuobjdump -sass`) into DIR, numbered in launch order.
 """
 
 import inspect
@@ -27,12 +26,8 @@ from collections import Counter
 
 import torch
 
-CASES = {
-    # name: (kv dtype, kv_cache_scales) - the cache's format comes from worker/kv_cache.py
-    "bf16": ("auto", "token"),
-    "fp8-token": ("fp8", "token"),
-    "fp8-tensor": ("fp8", "tensor"),
-}
+# name: kv_cache_dtype - the cache's format and layout come from worker/kv_cache.py
+CASES = {"bf16": "auto", "fp8": "fp8"}
 # Qwen3-0.6B's attention: 16 query heads, 8 KV heads, head_dim 128, blocks of 256
 HQ, HKV, D, BS = 16, 8, 128, 256
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
@@ -84,8 +79,10 @@ def _signature(fn, args, kwargs):
     return sig, consts, attrs, options
 
 
-def record(kv_cache_dtype: str, scales: str, k_plane: bool = False,
-           run_stores: bool = False, fresh: bool = False) -> list:
+def record(kv_cache_dtype: str, fresh: bool | None = None) -> list:
+    """The launches of a decoder layer's store and attention over the cache, in a mixed
+    step; `fresh` (default: over an fp8 cache, as Kernels.fresh_prefill) passes the step's
+    K/V to paged_attention."""
     import importlib
 
     from nanovllm.kernels.attention_metadata import AttentionMetadata
@@ -94,28 +91,27 @@ def record(kv_cache_dtype: str, scales: str, k_plane: bool = False,
     # fresh modules, each after those it imports from (the attention module re-exports the
     # store's store_kv and calls the decode's and prefill's launchers), their kernels
     # swapped for recorders
-    ts, tr, td, tp, fd, tb = (importlib.reload(importlib.import_module(f"nanovllm.kernels.{m}"))
-                              for m in ("triton_kv_store", "triton_rank", "triton_decode",
-                                        "triton_prefill", "triton_fp8_decode",
-                                        "triton_attention"))
-    ts.RUN_STORES = run_stores
-    fmt = KVFormat.of(kv_cache_dtype, scales, torch.bfloat16, D)
+    ts, tr, td, tp, tb = (importlib.reload(importlib.import_module(f"nanovllm.kernels.{m}"))
+                          for m in ("triton_kv_store", "triton_rank", "triton_decode",
+                                    "triton_prefill", "triton_attention"))
+    fmt = KVFormat.of(kv_cache_dtype, torch.bfloat16, D)
+    if fresh is None:
+        fresh = fmt.dtype == torch.uint8
     calls = []
     for module, name in ((ts, "_store_kv_kernel"), (ts, "_rope_store_kernel"),
-                         (td, "_decode_kernel"),
-                         (td, "_reduce_kernel"), (tp, "_prefill_kernel"), (tr, "_rank_kernel"),
-                         (fd, "_decode_fp8_kernel")):
+                         (td, "_decode_kernel"), (td, "_reduce_kernel"), (tp, "_prefill_kernel"),
+                         (tr, "_rank_kernel")):
         setattr(module, name, Recorder(getattr(module, name), calls))
     # a mixed step: two decode rows with long contexts (KV splits) and a prefill chunk
     rows = [(1, 3000), (1, 700), (300, 800)]
     tokens = sum(q for q, _ in rows)
     blocks = sum(-(-c // BS) for _, c in rows) + 2
     cache = [torch.zeros(blocks, BS, HKV, fmt.width, dtype=fmt.dtype) for _ in range(2)]
-    if fmt.dtype == torch.uint8:  # an fp8 V cache is stored transposed (KVCache.bind)
-        cache[1] = cache[1].view(blocks, HKV, fmt.width, BS).permute(0, 3, 1, 2)
-    if k_plane:  # K head-major, its scales in a plane (kv_cache.FP8_K_SCALE_PLANE)
+    if fmt.dtype == torch.uint8:  # an fp8 V cache is stored transposed, K head-major with
+        # its scales in a plane (KVCache.bind)
         from nanovllm.kernels.torch_attention import scale_plane_view
 
+        cache[1] = cache[1].view(blocks, HKV, fmt.width, BS).permute(0, 3, 1, 2)
         heads = cache[0].view(blocks, HKV, BS, fmt.width).permute(0, 2, 1, 3)
         cache[0] = scale_plane_view(heads, D)
     q = torch.zeros(tokens, HQ, D, dtype=torch.bfloat16)
@@ -138,45 +134,23 @@ def record(kv_cache_dtype: str, scales: str, k_plane: bool = False,
     ts.qk_norm_rope_store(q_.view(tokens, HQ, D), k_.view(tokens, HKV, D),
                           v_.view(tokens, HKV, D), torch.zeros(tokens, dtype=torch.int64),
                           rope, rope, *cache, meta.slot_mapping, norm, norm)
-    if fmt.dtype == torch.uint8:  # the experimental fp8 decode, P in e4m3 and in float16
-        order = torch.arange(len(rows), dtype=torch.int32)  # and longest rows first
-        for fp8_p, longest in ((True, None), (False, None), (True, order)):
-            fd.decode_fp8(q, *cache, meta, D**-0.5, fp8_p=fp8_p, num_splits=1, order=longest)
-        for mode in ("qp", "q"):  # and its prefill, in the engine's mixed step
-            tb.paged_attention(q, *cache, meta, D**-0.5, fp8_attention=mode)
-    tb.paged_attention(q, *cache, meta, D**-0.5)
-    if fresh:  # and the prefill reading the chunk's own positions from its K/V
-        before = len(calls)
-        tb.paged_attention(q, *cache, meta, D**-0.5, fresh=(kv, kv))
-        calls[before:] = [c for c in calls[before:] if c[0].__name__ == "_prefill_kernel"]
-    before = len(calls)  # and the decode kernel launched longest row first
-    tb.paged_attention(q, *cache, meta, D**-0.5, longest_first=True)
-    calls[before:] = [c for c in calls[before:] if c[0].__name__ == "_decode_kernel"]
+    tb.paged_attention(q, *cache, meta, D**-0.5, fresh=(kv, kv) if fresh else None)
     for _, _, kwargs in calls:  # these bf16 queries would be on a GPU: its fp8 conversion
         if "FP8_ASM" in kwargs:
             kwargs["FP8_ASM"] = kwargs["FP8"]
-        if "EXACT" in kwargs:  # and its rounding to e4m3, by the hardware's cvt
-            kwargs["EXACT"] = False
     return calls
 
 
 def record_sampler() -> list:
-    """The one-pass samplers' launches for 256 rows of a 152k vocabulary in bf16, as a GPU
-    makes it (FAST_LOG: logits on CUDA)."""
+    """The one-pass sampler's two launches (kernels/triton_cdf_sampling.py) for 256 rows of
+    a 152k vocabulary in bf16."""
     import importlib
 
-    ts = importlib.reload(importlib.import_module("nanovllm.kernels.triton_sampling"))
-    calls = []
-    ts._gumbel_argmax_kernel = Recorder(ts._gumbel_argmax_kernel, calls)
-    ts.gumbel_argmax(torch.zeros(256, 151936, dtype=torch.bfloat16), torch.zeros(256), 1e-5)
-    for _, _, kwargs in calls:
-        kwargs["FAST_LOG"] = True
-    # and the inverse-CDF sampler's two kernels (the engine's default)
     cdf = importlib.reload(importlib.import_module("nanovllm.kernels.triton_cdf_sampling"))
+    calls = []
     cdf._tile_sums_kernel = Recorder(cdf._tile_sums_kernel, calls)
     cdf._draw_kernel = Recorder(cdf._draw_kernel, calls)
-    cdf.inverse_cdf_sample(torch.zeros(256, 151936, dtype=torch.bfloat16), torch.zeros(256),
-                           1e-5)
+    cdf.sample_one_pass(torch.zeros(256, 151936, dtype=torch.bfloat16), torch.zeros(256), 1e-5)
     return calls
 
 
@@ -196,7 +170,7 @@ def record_split_k() -> list:
 
 
 def record_small_gemms() -> list:
-    """small_linear's launches (triton_linear.SMALL_GEMMS) at each of its tiles, at
+    """small_linear's launches (kernels/triton_linear.py) at each of its tiles, at
     Qwen3-0.6B's qkv_proj and gate_up_proj shapes in bf16, as a GPU engine makes them."""
     import importlib
 
@@ -252,42 +226,6 @@ def _resources(cubin: bytes | None) -> dict:
             "spill_bytes": int(stack.group(1)) + int(local.group(1)) if stack and local else None}
 
 
-# an SM of an H100/H200: registers, shared memory (227 KiB a block, 228 an SM), warps
-SM_REGISTERS, SM_SHARED, SM_WARPS = 65536, 228 * 1024, 64
-
-
-def decode_tiles(compile, target) -> None:
-    """`--decode-tiles`: both caches' decode kernels compiled at benchmarks/decode_tiles.py's
-    DECODE_BUFFER_CONFIGS: how many buffers Triton's pipeliner gave the K/V tiles (the
-    largest shared allocation's leading dimension in the TTGIR), registers, spills, shared
-    memory, and the programs an SM holds by those."""
-    from triton.compiler import ASTSource
-
-    from benchmarks.decode_tiles import DECODE_BUFFER_CONFIGS
-
-    for cache, (kv_dtype, scales) in (("bf16", CASES["bf16"]), ("fp8", CASES["fp8-token"])):
-        fn, args, kwargs = next(c for c in record(kv_dtype, scales)
-                                if c[0].__name__ == "_decode_kernel")
-        for block_n, warps, stages, cap in DECODE_BUFFER_CONFIGS[cache]:
-            kw = dict(kwargs, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-            sig, consts, attrs, options = _signature(fn, args, kw)
-            if cap:
-                options["maxnreg"] = cap
-            compiled = compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                               target=target, options=options)
-            allocs = re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x(\d+)x(\d+)x",
-                                compiled.asm["ttgir"])
-            buffers = max((int(n) for n, a, b in allocs if int(a) * int(b) >= 1024), default=0)
-            res = _resources(compiled.asm.get("cubin"))
-            smem, regs = compiled.metadata.shared, res.get("regs")
-            fits = [SM_SHARED // (smem + 1024), SM_WARPS // warps]
-            if regs:  # allocated a warp at a time, in units of 256 registers
-                fits.append(SM_REGISTERS // (-(-regs * 32 // 256) * 256 * warps))
-            print(json.dumps({"cache": cache, "block_n": block_n, "warps": warps,
-                              "stages": stages, "register_cap": cap, "kv_buffers": buffers,
-                              "shared": smem, **res, "programs_an_sm": min(fits)}), flush=True)
-
-
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET=1: the point is the compiler")
@@ -300,27 +238,13 @@ def main() -> None:
     except (ImportError, TypeError) as e:
         print(json.dumps({"unsupported": f"triton {triton.__version__}: {e!r}"}))
         return
-    if "--decode-tiles" in sys.argv[1:]:
-        decode_tiles(compile, target)
-        return
     dump = sys.argv[sys.argv.index("--dump") + 1] if "--dump" in sys.argv[1:] else None
     if dump:
         os.makedirs(dump, exist_ok=True)
-    launches = [(case, call) for case, (kv_dtype, scales) in CASES.items()
-                for call in record(kv_dtype, scales)]
-    if "--run-stores" in sys.argv[1:]:  # and the stores writing complete runs at once
-        launches += [("fp8-run-stores", call) for call in record("fp8", "token", run_stores=True)
-                     if call[0].__name__ in ("_store_kv_kernel", "_rope_store_kernel")]
-    if "--k-plane" in sys.argv[1:]:  # and over a K cache with its scales in a plane
-        launches += [("fp8-k-plane", call) for call in record("fp8", "token", k_plane=True)]
-    if "--fresh" in sys.argv[1:]:  # and the prefill with `fresh` (kernels.FRESH_PREFILL),
-        # over each cache and the GPU's fp8 layout
-        for case, kw in (("bf16", dict(kv_cache_dtype="auto", scales="token")),
-                         ("fp8-token", dict(kv_cache_dtype="fp8", scales="token")),
-                         ("fp8-k-plane", dict(kv_cache_dtype="fp8", scales="token",
-                                              k_plane=True))):
-            launches += [(f"{case}-fresh", call) for call in record(**kw, fresh=True)
-                         if call[2].get("FRESH")]
+    launches = [(case, call) for case, kv_dtype in CASES.items() for call in record(kv_dtype)]
+    if "--fresh" in sys.argv[1:]:  # and the prefill with `fresh` over the bf16 cache
+        launches += [("bf16-fresh", call) for call in record("auto", fresh=True)
+                     if call[2].get("FRESH")]
     launches += [("sampler", call) for call in record_sampler()]
     launches += [("split-k", call) for call in record_split_k()]
     launches += [("norm", call) for call in record_norms()]
@@ -331,8 +255,7 @@ def main() -> None:
                 kwargs.update(PDL=True, launch_pdl=True)
     for i, (case, (fn, args, kwargs)) in enumerate(launches):
         sig, consts, attrs, options = _signature(fn, args, dict(kwargs))
-        out = {"kernel": fn.__name__, "case": case, "fp8_p": kwargs.get("FP8_P"),
-               "fp8_mma": kwargs.get("FP8_MMA", fn.__name__ == "_decode_fp8_kernel")}
+        out = {"kernel": fn.__name__, "case": case}
         try:
             src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         except TypeError as e:
@@ -353,15 +276,14 @@ def main() -> None:
             out["loads"] = Counter(re.findall(ops, ptx))
             out["stores"] = len(re.findall(r"st\.shared[.\w]*", ptx))
             out["global_stores"] = Counter(re.findall(r"st\.global[.\w]*", ptx))
-            # the instructions the sampler's noise costs (Philox rounds, logarithms)
+            # Philox rounds and logarithms (none in the sampler's pass over the logits), fp8
+            # pairs converted to float16, PDL waits
             out["ops"] = {op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))
                           for op in ("mul.hi.u32", "lg2.approx.f32", "cvt.rn.f16x2.e4m3x2",
                                      "griddepcontrol.wait")}
             # global loads issued before the PDL wait (none: a predecessor may write them)
             wait = ptx.find("griddepcontrol.wait")
             out["loads_before_wait"] = len(re.findall(r"ld\.global", ptx[:max(wait, 0)]))
-            # fp8 operands on the tensor cores as they are (the experimental decode)
-            out["ops"]["wgmma e4m3"] = len(re.findall(r"wgmma\.mma_async[.\w]*e4m3", ptx))
             # Hopper's warpgroup MMA against Ampere's warp MMA: which tensor-core path a dot took
             out["ops"]["wgmma"] = len(re.findall(r"wgmma\.mma_async", ptx))
             out["ops"]["mma.sync"] = len(re.findall(r"\bmma\.sync", ptx))

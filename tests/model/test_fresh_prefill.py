@@ -1,11 +1,11 @@
-"""`paged_attention(fresh=(k, v))` (kernels.FRESH_PREFILL): rows of more than one query token
-read their own positions from this step's K/V as computed and only the earlier positions
-(a cached prefix, earlier chunks) from the cache; decode rows read the cache only. The
-expectation is built without that path: the fp64 reference over a copy of the cache whose
-own positions hold the fresh values. The fresh values differ from the cache's there, so a
-kernel reading the wrong source for any position fails. Triton (CPU interpreter and, marked
-gpu, CUDA) and the torch backend, over float32, bf16 and fp8 caches (row-major, and the
-GPU's layout: V transposed, K's scales in a plane)."""
+"""`paged_attention(fresh=(k, v))` (Kernels.fresh_prefill, an fp8 cache's engine's): rows of
+more than one query token read their own positions from this step's K/V as computed and only
+the earlier positions (a cached prefix, earlier chunks) from the cache; decode rows read the
+cache only. The expectation is built without that path: the fp64 reference over a copy of
+the cache whose own positions hold the fresh values. The fresh values differ from the
+cache's there, so a kernel reading the wrong source for any position fails. Triton (CPU
+interpreter and, marked gpu, CUDA) and the torch backend, over float32, bf16 and fp8 caches
+(row-major, and the GPU's layout: V transposed, K's scales in a plane)."""
 
 import pytest
 import torch
@@ -66,11 +66,10 @@ def caches(c: Case, layout: str):
     d = c.q.shape[-1]
     if layout == "float":
         return c.k_cache, c.v_cache, c.k_cache, c.v_cache
-    width = ta.fp8_width(d, True)
-    k8, v8 = to_fp8(c.k_cache, width), to_fp8(c.v_cache, width)
+    k8, v8 = to_fp8(c.k_cache), to_fp8(c.v_cache)
     # finite past the rows' ends: the GPU layout's tiles and the torch backend's batched
     # decode read whole blocks there, weighing those positions nothing
-    k8, v8 = finite_unread(k8, d, True), finite_unread(v8, d, True)
+    k8, v8 = finite_unread(k8, d), finite_unread(v8, d)
     kd, vd = (ta.dequantize_fp8(x, d, torch.float32) for x in (k8, v8))
     if layout == "fp8-gpu":
         k8, v8 = scale_plane(k8, d), transposed(v8)
@@ -117,14 +116,8 @@ def test_fresh_half_precision_queries(triton_device, layout, dtype):
     check_close(got, want, dtype, f"{layout} {dtype}")
 
 
-def test_fresh_is_checked_and_dropped_for_fp8_attention(triton_device):
+def test_fresh_of_another_shape_is_refused(triton_device):
     c = Case([(9, 20), (1, 30)], 2, 2, 64, 128, triton_device, seed=1)
     kn, vn = fresh_kv(c, c.q.dtype)
     with pytest.raises(ValueError, match="fresh K/V must be"):
         tb.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, c.scale, fresh=(kn[:, :1], vn))
-    # fp8_attention's kernels read the cache only: `fresh` changes nothing there
-    kc, vc, _, _ = caches(c, "fp8-gpu")
-    kw = dict(fp8_attention="q")
-    torch.testing.assert_close(
-        tb.paged_attention(c.q, kc, vc, c.meta, c.scale, fresh=(kn, vn), **kw),
-        tb.paged_attention(c.q, kc, vc, c.meta, c.scale, **kw), rtol=0, atol=0)

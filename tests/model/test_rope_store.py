@@ -1,8 +1,9 @@
 """The fused RoPE + K/V store kernel (triton_kv_store.qk_norm_rope_store) against the two
 launches it replaces, `qk_norm_rope` then `store_kv`: the same q, the same k, the same cache
-bytes, for a cache in the model's dtype and both fp8 formats (a V cache stored transposed
-included), with skipped (-1) slots; and a model whose layers take the fused path against
-one whose layers do not. In Triton's CPU interpreter and, marked gpu, compiled on CUDA."""
+bytes, for a cache in the model's dtype and an fp8 one in both layouts (row-major, and the
+GPU's: V transposed, K's scales in a plane), with skipped (-1) slots; and a model whose
+layers take the fused path against one whose layers do not. In Triton's CPU interpreter
+and, marked gpu, compiled on CUDA."""
 
 import dataclasses
 
@@ -12,42 +13,47 @@ import torch
 from nanovllm.kernels import select_kernels
 from nanovllm.kernels import torch_attention as ta
 from tests.model.test_fused_ops import norm_weight, prefill_logits, randn, rope_tables, tiny_qwen3
-from tests.model.test_triton_fp8 import transposed
+from tests.model.test_triton_fp8 import scale_plane, transposed
 from tests.support import triton_module
 
 ts = triton_module("nanovllm.kernels.triton_kv_store")
 ops = triton_module("nanovllm.kernels.triton_ops")
 
-FORMATS = ["model-dtype", "fp8-token", "fp8-tensor", "fp8-token-v-transposed"]
+FORMATS = ["model-dtype", "fp8-rows", "fp8-gpu"]
 
 
 def caches(fmt: str, blocks: int, bs: int, hkv: int, d: int, dtype, device):
     if fmt == "model-dtype":
         k = torch.full((blocks, bs, hkv, d), float("nan"), dtype=dtype, device=device)
         return k, k.clone()
-    width = ta.fp8_width(d, fmt != "fp8-tensor")
-    k = torch.zeros(blocks, bs, hkv, width, dtype=torch.uint8, device=device)
-    v = transposed(k.clone()) if fmt.endswith("transposed") else k.clone()
-    return k, v
+    k = torch.zeros(blocks, bs, hkv, ta.fp8_width(d), dtype=torch.uint8, device=device)
+    if fmt == "fp8-gpu":
+        return scale_plane(k, d), transposed(k.clone())
+    return k, k.clone()
+
+
+def logical_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """Every block of a cache in the row-major layout, as bytes (a scale plane's through its
+    two parts)."""
+    every = torch.arange(cache.shape[0], device=cache.device)
+    return ta._blocks(cache, every).cpu().view(torch.uint8)
 
 
 @pytest.mark.parametrize("with_norm", [True, False], ids=["qk-norm", "no-norm"])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 32), (6, 3, 48)], ids=["pow2", "odd-widths"])
-@pytest.mark.parametrize("fmt,pattern,apart,run_heads", [
-    *((f, "scattered", True, False) for f in FORMATS), ("model-dtype", "chunk", True, False),
-    # a transposed V's store both ways (triton_kv_store.V_APART), also over complete runs,
-    # whose heads go one a program (RUN_HEADS) or all from the run's first token's
-    *(("fp8-token-v-transposed", p, False, False) for p in ("scattered", "chunk")),
-    *(("fp8-token-v-transposed", "chunk", a, h) for a, h in
-      ((True, False), (True, True), (False, True)))])
+@pytest.mark.parametrize("fmt,pattern,apart", [
+    *((f, "scattered", True) for f in FORMATS), ("model-dtype", "chunk", True),
+    # a transposed V's store both ways, also over complete runs
+    ("fp8-gpu", "scattered", False), *(("fp8-gpu", "chunk", a) for a in (True, False))])
 def test_fused_equals_rope_then_store(triton_device, fmt, with_norm, hq, hkv, d, apart,
-                                      pattern, run_heads, monkeypatch):
-    """`apart`: each token's V stored by a program of its own where the V is stored
-    transposed (triton_kv_store.V_APART), or after its K; `pattern`: slots scattered (a
-    decode step's), or a prefill chunk's consecutive slots from mid-block, whose complete
-    runs of 16 an fp8 V stored transposed takes a run at a time (RUN_STORES)."""
-    monkeypatch.setattr(ts, "V_APART", apart)
-    monkeypatch.setattr(ts, "RUN_HEADS", run_heads)
+                                      pattern, monkeypatch):
+    """`apart`: where the V is stored transposed, each token's V stored by a program of its
+    own (a launch of up to V_APART_MAX_TOKENS tokens), or after its K (a larger launch's
+    way, taken here by lowering the limit); `pattern`: slots scattered (a decode step's),
+    or a prefill chunk's consecutive slots from mid-block, whose complete runs of 16 an fp8
+    V stored transposed takes a run at a time (triton_kv_runs.py)."""
+    if not apart:
+        monkeypatch.setattr(ts, "V_APART_MAX_TOKENS", 0)
     bs, blocks = 16, 4
     if pattern == "scattered":
         tokens = 11
@@ -84,7 +90,7 @@ def test_fused_equals_rope_then_store(triton_device, fmt, with_norm, hq, hkv, d,
     assert out_q is q and out_k is k  # in place, as qk_norm_rope
     assert torch.equal(got_qkv, want_qkv)
     for got, want in ((got_k, want_k), (got_v, want_v)):
-        assert torch.equal(got.cpu().view(torch.uint8), want.cpu().view(torch.uint8))
+        assert torch.equal(logical_bytes(got), logical_bytes(want))
     # an unallocated cache (the memory profile's forward): the RoPE alone
     q, k, v = split(qkv.clone())
     ts.qk_norm_rope_store(q, k, v, positions, cos, sin, torch.empty(0), torch.empty(0), slots,
@@ -92,24 +98,21 @@ def test_fused_equals_rope_then_store(triton_device, fmt, with_norm, hq, hkv, d,
     assert torch.equal(q, split(want_qkv)[0])
 
 
-def test_v_apart_up_to_a_decode_steps_tokens(monkeypatch):
-    """V_APART holds for launches of up to V_APART_MAX_TOKENS tokens into a transposed V
-    cache (where it measured faster), never when off or over a row-major V; a count and
-    the cache's layout only, so a captured graph replays one grid."""
-    _, v_t = caches("fp8-token-v-transposed", 2, 16, 2, 32, torch.float16, "cpu")
-    _, v_rows = caches("fp8-token", 2, 16, 2, 32, torch.float16, "cpu")
+def test_v_apart_up_to_a_decode_steps_tokens():
+    """A launch's V is stored apart for up to V_APART_MAX_TOKENS tokens into a transposed V
+    cache (where it measured faster), never over a row-major V; a count and the cache's
+    layout only, so a captured graph replays one grid."""
+    _, v_t = caches("fp8-gpu", 2, 16, 2, 32, torch.float16, "cpu")
+    _, v_rows = caches("fp8-rows", 2, 16, 2, 32, torch.float16, "cpu")
     v_t, v_rows = ta.v_transposed(v_t), ta.v_transposed(v_rows)  # the store's V_T flag
     assert ts.v_apart(1, v_t) and ts.v_apart(ts.V_APART_MAX_TOKENS, v_t)
     assert not ts.v_apart(ts.V_APART_MAX_TOKENS + 1, v_t)
     assert not ts.v_apart(1, v_rows)
-    monkeypatch.setattr(ts, "V_APART", False)
-    assert not ts.v_apart(1, v_t)
 
 
 def test_the_fused_path_is_the_triton_engines():
     assert select_kernels("triton", "triton").qk_norm_rope_store is ts.qk_norm_rope_store
-    for choice in (("torch", "torch"), ("triton", "torch"), ("compiled", "triton"),
-                   ("torch", "triton")):
+    for choice in (("torch", "torch"), ("triton", "torch"), ("torch", "triton")):
         assert select_kernels(*choice).qk_norm_rope_store is None, choice
 
 

@@ -193,20 +193,6 @@ def test_decode_dots_over_the_group_rows_only(triton_device, heads, block_m, spl
     check_close(out, case.reference(), torch.float32, f"block_m={block_m}")
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_longest_first_is_only_another_order(triton_device, splits):
-    """Decode programs started longest row first compute what batch order computes, to the
-    bit: in a decode-only batch and in a mixed one (prefill rows and padding rows sort among
-    the decode rows)."""
-    for rows in ([(1, 40), (1, 300), (1, 3), (1, 170), (1, 300), (1, 1)],
-                 [(1, 90), (24, 60), (1, 5), (0, 0), (1, 400)]):
-        case = Case(rows, 4, 2, 64, 16, triton_device)
-        plain = case.triton(num_splits=splits, prefill_config=SMALL)
-        ordered = case.triton(num_splits=splits, prefill_config=SMALL, longest_first=True)
-        assert torch.equal(plain, ordered), rows
-        check_close(ordered, case.reference(), torch.float32)
-
-
 def test_longest_first_ranks_rows_as_a_stable_sort(triton_device):
     """The decode's row order (one ranking launch, not torch's sort) is a stable sort of the
     context lengths, longest first: ties and padding rows (length 0) keep their order."""
@@ -214,7 +200,7 @@ def test_longest_first_ranks_rows_as_a_stable_sort(triton_device):
     for lens in ([7], [3, 9, 9, 0, 1, 9, 0], torch.randint(0, 40, (300,), generator=gen).tolist()):
         ctx = torch.tensor(lens, dtype=torch.int32, device=triton_device)
         meta = SimpleNamespace(context_lens=ctx, derived={})
-        got = tr._longest_first(meta)
+        got = tr.longest_first(meta)
         want = torch.sort(ctx.cpu(), descending=True, stable=True).indices
         assert got.dtype == torch.int32 and torch.equal(got.cpu().long(), want), lens
 
@@ -374,12 +360,11 @@ def test_gpu_store_kv_exact():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("longest_first", [False, True])
 @pytest.mark.parametrize("graph_rows,max_context", [(8, 4096), (128, 2048)])
-def test_gpu_decode_cuda_graph_replay(graph_rows, max_context, longest_first):
+def test_gpu_decode_cuda_graph_replay(graph_rows, max_context):
     """Capture store_kv + decode attention once for a padded batch, then replay with new
     contexts, block tables and slots copied into the static inputs; every slot past the
-    new contexts NaN. Longest first, the captured sort must order each replay's rows."""
+    new contexts NaN. The captured ranking must order each replay's rows longest first."""
     hq, hkv, d, bs = 16, 8, 128, 16
     dtype, dev = torch.bfloat16, "cuda"
     width = max_context // bs
@@ -401,8 +386,7 @@ def test_gpu_decode_cuda_graph_replay(graph_rows, max_context, longest_first):
 
     def step():
         tb.store_kv(static["k"], static["v"], k_cache, v_cache, static["slots"])
-        return tb.paged_attention(static["q"], k_cache, v_cache, meta, scale,
-                                  longest_first=longest_first)
+        return tb.paged_attention(static["q"], k_cache, v_cache, meta, scale)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -1,8 +1,8 @@
 """The inverse-CDF Triton sampler against torch: greedy rows give argmax exactly (ties to the
 lowest id, in a tile and across tiles), temperature rows follow softmax(logits / T) by a
-chi-square test wherever the mass lies among the tiles (over a small vocabulary: the test
-both samplers share in test_triton_sampler.py), a draw does not depend on how the tiles are
-spread over programs, and a token 60 nats below the top is never drawn.
+chi-square test over a small vocabulary and wherever the mass lies among the tiles of a
+larger one, a draw does not depend on how the tiles are spread over programs, and a token
+60 nats below the top is never drawn.
 
 Each test runs in Triton's CPU interpreter and, marked gpu, compiled on CUDA (the
 `triton_device` fixture); the CUDA cases of test_sampler.py go through this kernel via
@@ -30,9 +30,17 @@ def test_greedy_rows_are_torch_argmax(triton_device: str, dtype: torch.dtype) ->
     logits[4, 2999] = 100.0  # the last id
     greedy = torch.zeros(6, device=triton_device)
     for splits in (None, 1, 3):
-        out = cdf.inverse_cdf_sample(logits.to(triton_device), greedy, 1e-5, num_splits=splits)
+        out = cdf.sample_one_pass(logits.to(triton_device), greedy, 1e-5, num_splits=splits)
         assert out.dtype == torch.int64
         assert out.cpu().tolist() == logits.float().argmax(-1).tolist()
+
+
+def test_temperature_rows_follow_softmax(triton_device: str) -> None:
+    n = 800 if triton_device == "cpu" else 50_000  # one interpreted program per row
+    logits = SMALL_LOGITS.expand(n, -1).contiguous().to(triton_device)
+    temps = torch.full((n,), 0.6, device=triton_device)
+    out = cdf.sample_one_pass(logits, temps, 1e-5, seed=1234)
+    assert_matches(out, torch.softmax(SMALL_LOGITS.double() / 0.6, -1))
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -47,8 +55,8 @@ def test_mass_in_every_tile_and_none_in_some(triton_device: str, splits: int) ->
     logits[2048:3071] = float("-inf")
     logits[hot] = torch.tensor([0.5, 1.0, -0.5, 0.0, 1.5, 0.2, -1.0])
     rows = logits.expand(n, -1).contiguous().to(triton_device)
-    out = cdf.inverse_cdf_sample(rows, torch.ones(n, device=triton_device), 1e-5, seed=99,
-                                 num_splits=splits)
+    out = cdf.sample_one_pass(rows, torch.ones(n, device=triton_device), 1e-5, seed=99,
+                              num_splits=splits)
     probs = torch.softmax(logits.double(), -1)
     hits = torch.bincount(out.cpu(), minlength=vocab)
     assert hits[probs == 0].sum() == 0
@@ -60,37 +68,32 @@ def test_a_draw_does_not_depend_on_the_split_count(triton_device: str) -> None:
     n = 48
     logits = torch.randn(n, 2000).to(triton_device)
     temps = torch.tensor([0.0, 1.0, 0.7] * (n // 3), device=triton_device)
-    a = cdf.inverse_cdf_sample(logits, temps, 1e-5, seed=7, num_splits=1)
-    assert torch.equal(a, cdf.inverse_cdf_sample(logits, temps, 1e-5, seed=7, num_splits=1))
+    a = cdf.sample_one_pass(logits, temps, 1e-5, seed=7, num_splits=1)
+    assert torch.equal(a, cdf.sample_one_pass(logits, temps, 1e-5, seed=7, num_splits=1))
     assert torch.equal(a[0::3], logits.argmax(-1)[0::3])
     for splits in (2, 5):  # u is the row's; the same u names the same token
-        assert torch.equal(a, cdf.inverse_cdf_sample(logits, temps, 1e-5, seed=7,
-                                                     num_splits=splits))
-    fresh = [cdf.inverse_cdf_sample(logits, temps, 1e-5) for _ in range(2)]
+        assert torch.equal(a, cdf.sample_one_pass(logits, temps, 1e-5, seed=7,
+                                                  num_splits=splits))
+    fresh = [cdf.sample_one_pass(logits, temps, 1e-5) for _ in range(2)]
     assert not torch.equal(fresh[0], fresh[1])  # a new seed per call
 
 
 def test_strided_rows(triton_device: str) -> None:
-    """(Vocabularies smaller than a tile: test_triton_sampler.py, over both samplers.)"""
     wide = torch.randn(3, 1100)
     wide[:, 1000:] = 100.0  # padding after each row's 1,000 logits: never read
     logits = wide[:, :1000].to(triton_device)
-    out = cdf.inverse_cdf_sample(logits, torch.ones(3, device=triton_device), 1e-5)
+    out = cdf.sample_one_pass(logits, torch.ones(3, device=triton_device), 1e-5)
     assert (out < 1000).all()
 
 
-def test_the_switch_picks_the_method(monkeypatch, triton_device: str) -> None:
-    logits = SMALL_LOGITS.expand(4, -1).contiguous().to(triton_device)
-    temps = torch.ones(4, device=triton_device)
-    calls = []
-    for module, name in ((cdf, "inverse_cdf_sample"), (cdf.triton_sampling, "gumbel_argmax")):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: (
-            calls.append(name), real(*a, **k))[1])
-    for on in (True, False):
-        monkeypatch.setattr(cdf, "INVERSE_CDF", on)
-        assert cdf.sample_one_pass(logits, temps, 1e-5).shape == (4,)
-    assert calls == ["inverse_cdf_sample", "gumbel_argmax"]
+def test_vocabularies_smaller_than_a_tile(triton_device: str) -> None:
+    greedy = torch.zeros(3, device=triton_device)
+    for vocab in (1, 2, 5):
+        logits = torch.randn(3, vocab)
+        out = cdf.sample_one_pass(logits.to(triton_device), greedy, 1e-5)
+        assert out.cpu().tolist() == logits.argmax(-1).tolist()
+        hot = cdf.sample_one_pass(logits.to(triton_device), greedy + 1.0, 1e-5)
+        assert ((0 <= hot) & (hot < vocab)).all()
 
 
 @pytest.mark.gpu
@@ -101,5 +104,5 @@ def test_a_token_far_below_the_top_is_never_drawn():
     logits[:, 7] = 60.0
     temps = torch.ones(64, device="cuda")
     for _ in range(20):
-        out = cdf.inverse_cdf_sample(logits, temps, 1e-5)
+        out = cdf.sample_one_pass(logits, temps, 1e-5)
         assert (out == 7).all(), out[out != 7]

@@ -12,9 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm import LLM
-from nanovllm.core.errors import ConfigError
+from nanovllm.core.config import EngineConfig
+from nanovllm.engine.resolve import resolve_config
 from nanovllm.kernels import select_kernels
 from nanovllm.kernels import torch_ops as ref
+from nanovllm.model.config import ModelConfig
 from tests.support import greedy, hf_greedy, make_prompts, triton_module
 
 linear = triton_module("nanovllm.kernels.triton_linear")
@@ -80,38 +82,18 @@ def test_split_k_needs_the_triton_norm():
         select_kernels("torch", "torch", split_k=True)
 
 
-ENGINE = dict(device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-              fused_kernels=True, attention_backend="triton")
-
-
-def test_engine_with_split_k_matches_transformers(tiny_model, hf_tiny_model, triton_interpreter,
-                                                  monkeypatch):
-    # the tiny models' down_proj (K=128) splits in two; Qwen3's o_proj too, Llama's (K=64)
-    # does not: both paths run in one model
-    summed = [0]
-    original = fused._launch_norm
-
-    def counted(*args):
-        summed[0] += len(args) > 6 and args[6] is not None
-        return original(*args)
-
-    monkeypatch.setattr(fused, "_launch_norm", counted)
-    llm = LLM(str(tiny_model), split_k=True, **ENGINE)
-    assert llm.engine.config.split_k and "split-K" in llm.engine.config.summary()
-    prompts = make_prompts(seed=5, count=3)
-    out = [o.token_ids for o in llm.generate(prompts, greedy(5), use_tqdm=False)]
-    assert summed[0] > 0, "no norm summed split-K partials"
-    assert out == [hf_greedy(hf_tiny_model, p, 5) for p in prompts]
-
-
-def test_split_k_is_off_by_default_off_the_gpu_and_refused_where_it_cannot_run(
-        tiny_llama, triton_interpreter):
-    assert not LLM(str(tiny_llama), device="cpu").engine.config.split_k
-    with pytest.raises(ConfigError, match="split_k=True needs the fused kernels"):
-        LLM(str(tiny_llama), device="cpu", split_k=True, fused_kernels=False)
-    with pytest.raises(ConfigError, match="split_k=True is for one rank"):
-        LLM(str(tiny_llama), device="cpu", split_k=True, fused_kernels=True,
-            tensor_parallel_size=2)
+def test_split_k_is_on_with_the_triton_ops_on_one_rank(triton_interpreter):
+    # its partials are summed by the Triton residual-add RMSNorm; under tensor parallelism
+    # o_proj and down_proj are all-reduced, which needs their whole output
+    model = ModelConfig.from_hf({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 128,
+    })
+    split_k = lambda **kw: resolve_config(EngineConfig(device="cpu", **kw), model).split_k
+    assert not split_k(), "the CPU's default kernels"
+    assert split_k(fused_kernels=True)  # (Triton's interpreter here)
+    assert not split_k(fused_kernels=True, tensor_parallel_size=2)
 
 
 @pytest.mark.gpu
@@ -130,7 +112,7 @@ def test_gpu_split_k_at_model_shapes(rows, k, n, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 16, 33, 64])
 def test_small_linear_matches_matmul(triton_device, rows, dtype):
-    # qkv_proj and gate_up_proj at few rows (triton_linear.SMALL_GEMMS): the plain output, in
+    # qkv_proj and gate_up_proj at few rows (triton_linear.small_linear): the plain output, in
     # the input's dtype, rounded once from an fp32 accumulator as cuBLAS rounds its own
     x = randn(rows, 256, device=triton_device, dtype=dtype, seed=1)
     w = randn(96, 256, device=triton_device, dtype=dtype, seed=2, scale=256 ** -0.5)
@@ -140,11 +122,8 @@ def test_small_linear_matches_matmul(triton_device, rows, dtype):
     torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), atol=atol, rtol=rtol)
 
 
-def test_small_linear_declines_what_it_does_not_take_and_turns_off(monkeypatch):
-    x, w = torch.randn(4, 256), torch.randn(64, 256)
-    monkeypatch.setattr(linear, "SMALL_GEMMS", False)
-    assert linear.small_linear(x, w) is None, "switched off: the plain matmul"
-    monkeypatch.setattr(linear, "SMALL_GEMMS", True)
+def test_small_linear_declines_what_it_does_not_take():
+    w = torch.randn(64, 256)
     # more rows than its tiles; N off its tile; K off every tile; no rows; K above
     # SMALL_MAX_K (Qwen3-8B's 4,096: not measured)
     for rows, k, n in ((65, 256, 64), (4, 256, 48), (4, 24, 64), (0, 256, 64), (4, 4096, 64)):
@@ -171,13 +150,29 @@ def small_linear_calls(monkeypatch):
     select_kernels.cache_clear()
 
 
-def test_engine_with_small_gemms_matches_transformers(tiny_model, hf_tiny_model,
-                                                      triton_interpreter, small_linear_calls):
+ENGINE = dict(device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+              fused_kernels=True, attention_backend="triton")
+
+
+def test_engine_with_split_k_and_small_gemms_matches_transformers(
+        tiny_model, hf_tiny_model, triton_interpreter, small_linear_calls, monkeypatch):
     # qkv_proj and gate_up_proj by small_linear (K=64 of the tiny models), o_proj and
-    # down_proj split-K where they split: the whole layer in Triton launches
-    llm = LLM(str(tiny_model), split_k=True, **ENGINE)
+    # down_proj split-K where they split: the tiny models' down_proj (K=128) splits in two,
+    # Qwen3's o_proj too, Llama's (K=64) does not: both paths run in one model, the whole
+    # layer in Triton launches
+    summed = [0]
+    original = fused._launch_norm
+
+    def counted(*args):
+        summed[0] += len(args) > 6 and args[6] is not None
+        return original(*args)
+
+    monkeypatch.setattr(fused, "_launch_norm", counted)
+    llm = LLM(str(tiny_model), **ENGINE)
+    assert llm.engine.config.split_k and "split-K" in llm.engine.config.summary()
     prompts = make_prompts(seed=5, count=3)
     out = [o.token_ids for o in llm.generate(prompts, greedy(5), use_tqdm=False)]
+    assert summed[0] > 0, "no norm summed split-K partials"
     assert small_linear_calls[0] > 0, "no projection ran as small_linear"
     assert out == [hf_greedy(hf_tiny_model, p, 5) for p in prompts]
 
