@@ -10,7 +10,7 @@ picks one), on blocks of 16 tokens:
 
 - prefix: --docs documents of --doc-len tokens; --requests requests, each one document (drawn
   at random, the same draw for both runs) plus a distinct 32-token question, 16 output
-  tokens; the device KV cache holds about 8 documents.
+  tokens; the device KV cache holds about --device-docs documents.
   Without a host tier a document evicted from the device is recomputed; with
   `cpu_offload_gib` (sized for every document) it is copied back. The requests arrive at
   each of --rates (Poisson, requests/s; 0: all at once); TTFT is from a request's arrival
@@ -49,7 +49,6 @@ from nanovllm.worker.kv_cache import KVFormat, kv_bytes_per_token
 BLOCK_SIZE = 16
 QUESTION_LEN = 32  # prefix: the tokens of each request's own question after its document
 PREFIX_TOKENS = 16  # prefix: output tokens of each request
-DEVICE_DOCS = 8  # prefix: the device KV cache holds about this many requests
 BURST_TOKENS = 256  # burst: output tokens of each prompt
 LOW_TOKENS, HIGH_TOKENS = 256, 32  # priority: output tokens of a low and a high request
 
@@ -194,6 +193,8 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=64)
     ap.add_argument("--doc-len", type=int, default=4096)
     ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--device-docs", type=int, default=8,
+                    help="prefix: the device KV cache holds about this many requests")
     ap.add_argument("--rates", default="0",
                     help="prefix: arrival rates to run, requests/s, comma-separated (0: all at "
                     "once)")
@@ -225,7 +226,7 @@ def main() -> None:
         prompts = [docs[d] + [rng.randrange(vocab) for _ in range(QUESTION_LEN)]
                    for d in picks]
         req_len = args.doc_len + QUESTION_LEN + PREFIX_TOKENS
-        blocks = DEVICE_DOCS * -(-req_len // bs)
+        blocks = args.device_docs * -(-req_len // bs)
         host_gib = 1.1 * args.docs * args.doc_len * per_token / 2**30
         base = dict(num_kv_blocks=blocks, block_size=bs, swap_space=0,
                     max_model_len=-(-req_len // bs) * bs)
@@ -235,7 +236,7 @@ def main() -> None:
                       rates)
         print(f"prefix: {args.requests} requests over {args.docs} documents of "
               f"{args.doc_len} tokens; device KV {blocks} blocks of {bs} "
-              f"(~{DEVICE_DOCS} requests), host tier {host_gib:.1f} GiB")
+              f"(~{args.device_docs} requests), host tier {host_gib:.1f} GiB")
         report["prefix"] = {}
         for rate in rates:
             off, on = off_runs[rate], on_runs[rate]
