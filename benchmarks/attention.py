@@ -158,7 +158,7 @@ def bench_graph(fn) -> float | None:
 
 
 def run_triton(table: Table, case: str, batch: Batch, graph: bool = False) -> float | None:
-    from nanovllm.kernels import triton_attention as triton_backend
+    from nanovllm.kernels.triton import attention as triton_backend
 
     fn = lambda: triton_backend.paged_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.meta, batch.scale, fresh=batch.fresh

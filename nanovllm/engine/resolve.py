@@ -23,7 +23,7 @@ log = logging.getLogger("nanovllm")
 GPU_ADMISSION_BATCH = 16  # with CUDA graphs, see EngineConfig.admission_batch
 GPU_SWAP_GIB = 4.0  # EngineConfig.swap_space on a GPU (at most a quarter of the host's memory)
 BLOCK_SIZE = 16  # EngineConfig.block_size, but:
-FP8_BLOCK_SIZE = 128  # an fp8 cache the Triton kernels read (BENCHMARKS.md, issue 11 item 2)
+FP8_BLOCK_SIZE = 128  # an fp8 cache the Triton kernels read: 128-position tiles in one block
 
 
 def resolve_config(
@@ -87,7 +87,7 @@ def _block_size(config: EngineConfig, attention: str, cuda: bool) -> int:
         return FP8_BLOCK_SIZE if fp8_tiles else BLOCK_SIZE
     if fp8_tiles and config.block_size < FP8_BLOCK_SIZE:
         log.warning("block_size=%d with the fp8 KV cache: its attention tiles are then %d "
-                    "positions, and it runs slower than with the default %d (BENCHMARKS.md)",
+                    "positions, and it runs slower than with the default %d",
                     config.block_size, config.block_size, FP8_BLOCK_SIZE)
     return config.block_size
 
@@ -205,9 +205,9 @@ def _attention(name: str, cuda: bool, native: bool = False) -> str:
 
 # (max_num_seqs, max_num_batched_tokens) when not given. A CPU's steps are bound by its
 # matmuls: 64 rows and 2,048 tokens keep a step short. A GPU needs wide steps to run near its
-# speed of light: the seed workload (256 sequences, bench.py) ran at 13,637 tok/s with 64 /
-# 2,048 and 23,136-23,283 with 512 / 16,384 on an H200 (issue 11); a GPU under 40 GiB gets
-# half, so the largest step's activations leave room for the KV cache.
+# speed of light (bench.py's workload runs far slower on an H200 at the CPU's limits); a GPU
+# under 40 GiB gets half, so the largest step's activations leave room for
+# the KV cache.
 CPU_STEP_LIMITS = (64, 2048)
 GPU_STEP_LIMITS = (512, 16384)
 SMALL_GPU_STEP_LIMITS = (256, 8192)

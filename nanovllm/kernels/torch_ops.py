@@ -1,5 +1,5 @@
 """The small per-token ops of a decoder layer in plain torch: the CPU path, the reference the
-fused Triton kernels (triton_ops.py) are tested against, and what torch.compile fuses when
+fused Triton kernels (triton/ops.py) are tested against, and what torch.compile fuses when
 an engine asks for it."""
 
 import torch

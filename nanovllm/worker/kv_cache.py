@@ -69,8 +69,7 @@ def plan_num_blocks(
         peak = activation_peak()
         # the profiling pass's memory stays in torch's cache (counted as free here, the peak
         # set aside once) until CUDA graph capture empties that cache; the first full step
-        # then makes its cudaMallocs again (six in the seed workload: no measurable cost,
-        # BENCHMARKS.md, twelfth H200 session)
+        # then makes its cudaMallocs again (a handful, at no measurable cost)
         free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         budget = free + cached - total * (1 - config.gpu_memory_utilization) - peak
@@ -119,7 +118,7 @@ class KVCache:
         block_size] bytes, a row per dimension, the block's positions contiguous (its view
         has unit stride over slots). P @ V contracts over positions, and fp8 values laid out
         the other way reach the tensor cores only one byte per load or through a second
-        trip through shared memory (kernels/triton_tiles.py). Its K cache is head-major
+        trip through shared memory (kernels/triton/tiles.py). Its K cache is head-major
         within each block ([heads, block_size, width]; its view keeps the [blocks,
         block_size, Hkv, width] shape), so a decode program's K rows of a block are one
         contiguous run, with the scales in a plane after the values

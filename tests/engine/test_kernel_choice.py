@@ -9,8 +9,8 @@ from nanovllm.core.errors import ConfigError
 from nanovllm.kernels import cpu_native
 from tests.support import greedy, hf_greedy, make_prompts, triton_module
 
-triton_ops = triton_module("nanovllm.kernels.triton_ops")
-triton_attention = triton_module("nanovllm.kernels.triton_attention")
+triton_ops = triton_module("nanovllm.kernels.triton.ops")
+triton_attention = triton_module("nanovllm.kernels.triton.attention")
 
 GREEDY = greedy(5)
 ENGINE = dict(device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=64)

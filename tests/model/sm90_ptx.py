@@ -91,16 +91,15 @@ def record(kv_cache_dtype: str, fresh: bool | None = None) -> list:
     # fresh modules, each after those it imports from (the attention module re-exports the
     # store's store_kv and calls the decode's and prefill's launchers), their kernels
     # swapped for recorders
-    ts, tr, td, tp, tb = (importlib.reload(importlib.import_module(f"nanovllm.kernels.{m}"))
-                          for m in ("triton_kv_store", "triton_rank", "triton_decode",
-                                    "triton_prefill", "triton_attention"))
+    ts, td, tp, tb = (importlib.reload(importlib.import_module(f"nanovllm.kernels.triton.{m}"))
+                      for m in ("kv_store", "decode", "prefill", "attention"))
     fmt = KVFormat.of(kv_cache_dtype, torch.bfloat16, D)
     if fresh is None:
         fresh = fmt.dtype == torch.uint8
     calls = []
     for module, name in ((ts, "_store_kv_kernel"), (ts, "_rope_store_kernel"),
                          (td, "_decode_kernel"), (td, "_reduce_kernel"), (tp, "_prefill_kernel"),
-                         (tr, "_rank_kernel")):
+                         (td, "_rank_kernel")):
         setattr(module, name, Recorder(getattr(module, name), calls))
     # a mixed step: two decode rows with long contexts (KV splits) and a prefill chunk
     rows = [(1, 3000), (1, 700), (300, 800)]
@@ -142,11 +141,11 @@ def record(kv_cache_dtype: str, fresh: bool | None = None) -> list:
 
 
 def record_sampler() -> list:
-    """The one-pass sampler's two launches (kernels/triton_cdf_sampling.py) for 256 rows of
+    """The one-pass sampler's two launches (kernels/triton/sampling.py) for 256 rows of
     a 152k vocabulary in bf16."""
     import importlib
 
-    cdf = importlib.reload(importlib.import_module("nanovllm.kernels.triton_cdf_sampling"))
+    cdf = importlib.reload(importlib.import_module("nanovllm.kernels.triton.sampling"))
     calls = []
     cdf._tile_sums_kernel = Recorder(cdf._tile_sums_kernel, calls)
     cdf._draw_kernel = Recorder(cdf._draw_kernel, calls)
@@ -155,11 +154,11 @@ def record_sampler() -> list:
 
 
 def record_split_k() -> list:
-    """The split-K projection's launches (kernels/triton_linear.py) at each of its tiles, at
+    """The split-K projection's launches (kernels/triton/linear.py) at each of its tiles, at
     Qwen3-0.6B's o_proj and down_proj shapes in bf16, as a GPU engine makes them."""
     import importlib
 
-    tl_ = importlib.reload(importlib.import_module("nanovllm.kernels.triton_linear"))
+    tl_ = importlib.reload(importlib.import_module("nanovllm.kernels.triton.linear"))
     calls = []
     tl_._split_k_kernel = Recorder(tl_._split_k_kernel, calls)
     for rows, _ in tl_.TILES:
@@ -170,11 +169,11 @@ def record_split_k() -> list:
 
 
 def record_small_gemms() -> list:
-    """small_linear's launches (kernels/triton_linear.py) at each of its tiles, at
+    """small_linear's launches (kernels/triton/linear.py) at each of its tiles, at
     Qwen3-0.6B's qkv_proj and gate_up_proj shapes in bf16, as a GPU engine makes them."""
     import importlib
 
-    tl_ = importlib.reload(importlib.import_module("nanovllm.kernels.triton_linear"))
+    tl_ = importlib.reload(importlib.import_module("nanovllm.kernels.triton.linear"))
     calls = []
     tl_._split_k_kernel = Recorder(tl_._split_k_kernel, calls)
     for rows, _ in tl_.SMALL_TILES:
@@ -185,11 +184,11 @@ def record_small_gemms() -> list:
 
 
 def record_norms() -> list:
-    """The RMSNorm kernel's launches (kernels/triton_ops.py) as a decode step of 256 rows
+    """The RMSNorm kernel's launches (kernels/triton/ops.py) as a decode step of 256 rows
     makes them: alone, after a residual add, after a split-K projection's partials."""
     import importlib
 
-    ops = importlib.reload(importlib.import_module("nanovllm.kernels.triton_ops"))
+    ops = importlib.reload(importlib.import_module("nanovllm.kernels.triton.ops"))
     calls = []
     ops._rms_norm_kernel = Recorder(ops._rms_norm_kernel, calls)
     x, r = (torch.zeros(256, 1024, dtype=torch.bfloat16) for _ in range(2))

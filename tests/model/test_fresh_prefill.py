@@ -15,7 +15,7 @@ from tests.model.test_triton_attention import SMALL, Case, check_close, referenc
 from tests.model.test_triton_fp8 import finite_unread, scale_plane, to_fp8, transposed
 from tests.support import triton_module
 
-tb = triton_module("nanovllm.kernels.triton_attention")
+tb = triton_module("nanovllm.kernels.triton.attention")
 
 # (id, rows (query_len, context_len), Hq, Hkv, head_dim, block_size, prefill cfg)
 CASES = [

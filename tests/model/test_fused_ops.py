@@ -1,4 +1,4 @@
-"""Fused Triton norm / RoPE / SiLU kernels (kernels/triton_ops.py) against the torch
+"""Fused Triton norm / RoPE / SiLU kernels (kernels/triton/ops.py) against the torch
 functions they replace (kernels/torch_ops.py), and a model built with either.
 
 The small tests run on small fp32 / fp16 shapes in Triton's CPU interpreter and, marked gpu,
@@ -17,7 +17,7 @@ from nanovllm.kernels import torch_ops as ref
 from nanovllm.model.layers.rotary import RotaryEmbedding
 from tests.support import triton_module
 
-fused = triton_module("nanovllm.kernels.triton_ops")
+fused = triton_module("nanovllm.kernels.triton.ops")
 # (atol, rtol): fp32 differs only by summation order; half dtypes by a rounding or two
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 CPU_DTYPES = [torch.float32, torch.float16]

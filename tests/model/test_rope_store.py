@@ -1,4 +1,4 @@
-"""The fused RoPE + K/V store kernel (triton_kv_store.qk_norm_rope_store) against the two
+"""The fused RoPE + K/V store kernel (triton.kv_store.qk_norm_rope_store) against the two
 launches it replaces, `qk_norm_rope` then `store_kv`: the same q, the same k, the same cache
 bytes, for a cache in the model's dtype and an fp8 one in both layouts (row-major, and the
 GPU's: V transposed, K's scales in a plane), with skipped (-1) slots; and a model whose
@@ -16,8 +16,8 @@ from tests.model.test_fused_ops import norm_weight, prefill_logits, randn, rope_
 from tests.model.test_triton_fp8 import scale_plane, transposed
 from tests.support import triton_module
 
-ts = triton_module("nanovllm.kernels.triton_kv_store")
-ops = triton_module("nanovllm.kernels.triton_ops")
+ts = triton_module("nanovllm.kernels.triton.kv_store")
+ops = triton_module("nanovllm.kernels.triton.ops")
 
 FORMATS = ["model-dtype", "fp8-rows", "fp8-gpu"]
 
@@ -51,7 +51,7 @@ def test_fused_equals_rope_then_store(triton_device, fmt, with_norm, hq, hkv, d,
     own (a launch of up to V_APART_MAX_TOKENS tokens), or after its K (a larger launch's
     way, taken here by lowering the limit); `pattern`: slots scattered (a decode step's),
     or a prefill chunk's consecutive slots from mid-block, whose complete runs of 16 an fp8
-    V stored transposed takes a run at a time (triton_kv_runs.py)."""
+    V stored transposed takes a run at a time (triton/kv_store.py)."""
     if not apart:
         monkeypatch.setattr(ts, "V_APART_MAX_TOKENS", 0)
     bs, blocks = 16, 4

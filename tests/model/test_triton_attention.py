@@ -21,9 +21,9 @@ from nanovllm.kernels import torch_attention as ref
 from nanovllm.kernels.attention_metadata import AttentionMetadata
 from tests.support import triton_module
 
-tb = triton_module("nanovllm.kernels.triton_attention")
-td = triton_module("nanovllm.kernels.triton_decode")
-tr = triton_module("nanovllm.kernels.triton_rank")
+tb = triton_module("nanovllm.kernels.triton.attention")
+td = triton_module("nanovllm.kernels.triton.decode")
+tr = triton_module("nanovllm.kernels.triton.decode")
 
 # relative L2 error per token: fp32 differs from fp64 by summation order only; half dtypes
 # by the rounding of q, k, v and of the probabilities before the second dot

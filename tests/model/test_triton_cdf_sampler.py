@@ -14,7 +14,7 @@ import torch
 
 from tests.support import SMALL_LOGITS, assert_matches, triton_module
 
-cdf = triton_module("nanovllm.kernels.triton_cdf_sampling")
+cdf = triton_module("nanovllm.kernels.triton.sampling")
 # the interpreter evaluates both sides of a where: -inf - -inf in the side not taken
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 

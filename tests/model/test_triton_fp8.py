@@ -14,7 +14,7 @@ from nanovllm.kernels import torch_attention as ta
 from tests.model.test_triton_attention import SMALL, Case, check_close, reference
 from tests.support import triton_module
 
-tb = triton_module("nanovllm.kernels.triton_attention")
+tb = triton_module("nanovllm.kernels.triton.attention")
 NAN_BYTE = 0x7F  # e4m3fn NaN
 
 CASES = [
@@ -232,7 +232,7 @@ def test_store_kv_writes_finite_bytes_only(triton_device):
 
 def test_run_stores_write_the_reference_bytes(triton_device):
     """A prefill chunk's complete runs of 16 slots are written into a transposed V 16 bytes a
-    row, each head by one of the run's first tokens' programs (triton_kv_runs.py): the same
+    row, each head by one of the run's first tokens' programs (triton/kv_store.py): the same
     bytes as token by token, beside partial runs, skipped tokens, a chunk starting mid-run
     and decode tokens; K's scale plane as the torch store writes it."""
     heads, dim, bs, blocks = 2, 64, 32, 8

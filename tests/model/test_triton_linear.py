@@ -1,5 +1,5 @@
-"""Split-K projections (kernels/triton_linear.py) and the residual-add RMSNorm that sums their
-partial products (triton_ops.add_rms_norm), against a plain matmul then the torch norm
+"""Split-K projections (kernels/triton/linear.py) and the residual-add RMSNorm that sums their
+partial products (triton.ops.add_rms_norm), against a plain matmul then the torch norm
 (kernels/torch_ops.py); and an engine running them, against transformers.
 
 Small shapes run in Triton's CPU interpreter in fp32 and fp16 (its bf16 dot is wrong on a
@@ -19,8 +19,8 @@ from nanovllm.kernels import torch_ops as ref
 from nanovllm.model.config import ModelConfig
 from tests.support import greedy, hf_greedy, make_prompts, triton_module
 
-linear = triton_module("nanovllm.kernels.triton_linear")
-fused = triton_module("nanovllm.kernels.triton_ops")
+linear = triton_module("nanovllm.kernels.triton.linear")
+fused = triton_module("nanovllm.kernels.triton.ops")
 # fp32: summation order only; half dtypes: the partials are summed in fp32 and rounded once,
 # as cuBLAS rounds its fp32 accumulator, so a rounding or two of the dtype
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
@@ -112,7 +112,7 @@ def test_gpu_split_k_at_model_shapes(rows, k, n, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 16, 33, 64])
 def test_small_linear_matches_matmul(triton_device, rows, dtype):
-    # qkv_proj and gate_up_proj at few rows (triton_linear.small_linear): the plain output, in
+    # qkv_proj and gate_up_proj at few rows (triton.linear.small_linear): the plain output, in
     # the input's dtype, rounded once from an fp32 accumulator as cuBLAS rounds its own
     x = randn(rows, 256, device=triton_device, dtype=dtype, seed=1)
     w = randn(96, 256, device=triton_device, dtype=dtype, seed=2, scale=256 ** -0.5)

@@ -80,7 +80,7 @@ def test_attention_kernels_compile_for_sm90_with_vector_loads():
         if r["case"] == "bf16" or r["kernel"] != "_prefill_kernel":
             assert r["spill_bytes"] == 0, f"{r['kernel']} ({r['case']}) spills registers: {r}"
     # the split-K projections (one launch per tile of its table) and the small GEMMs
-    # (triton_linear.small_linear, each of its tiles) run on the tensor cores
+    # (triton.linear.small_linear, each of its tiles) run on the tensor cores
     assert ("_split_k_kernel", "small-gemm") in compiled
     for r in results:
         if r["case"] in ("split-k", "small-gemm"):
@@ -96,7 +96,7 @@ PDL_KERNELS = ("_store_kv_kernel", "_rope_store_kernel", "_decode_kernel", "_red
 
 
 def test_kernels_compile_as_programmatic_dependent_launches():
-    """Where the GPU and Triton have them (kernels/triton_pdl.py) each step kernel is
+    """Where the GPU and Triton have them (kernels/triton/launch.py) each step kernel is
     launched with launch_pdl and waits for the kernel before it (griddepcontrol.wait)
     before touching memory: each compiles for sm_90 so, the waits in place."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -119,7 +119,7 @@ def test_kernels_compile_as_programmatic_dependent_launches():
 def test_pdl_is_never_taken_off_a_gpu():
     import torch
 
-    from nanovllm.kernels import triton_pdl
+    from nanovllm.kernels.triton import launch as triton_pdl
 
     assert triton_pdl.pdl_launch(torch.zeros(1)) == {"PDL": False}
 
@@ -129,7 +129,7 @@ def test_pdl_needs_a_triton_that_launches_dependent_kernels(monkeypatch):
     as before instead of failing at the first launch on an sm_90 GPU."""
     import triton.language as tl
 
-    from nanovllm.kernels import triton_pdl
+    from nanovllm.kernels.triton import launch as triton_pdl
 
     triton_pdl.triton_has_pdl.cache_clear()
     assert triton_pdl.triton_has_pdl() == hasattr(tl.extra.cuda, "gdc_wait")

@@ -62,7 +62,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 def default_api_server_count(device: str) -> int:
     """2 front ends for engines on a GPU (one front end's core cannot stream all that a GPU's
-    engine generates at a thousand prompts: BENCHMARKS.md), 1 on a CPU, whose cores the
+    engine generates at a thousand prompts), 1 on a CPU, whose cores the
     engine needs. The front end does not load torch, so "auto" looks for an NVIDIA device
     as torch would find one: the driver's device files, unless CUDA_VISIBLE_DEVICES hides
     them all."""

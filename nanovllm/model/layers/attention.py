@@ -28,6 +28,6 @@ class Attention(nn.Module):
         kernels = self.kernels
         if not stored:
             kernels.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        fresh = (k, v) if kernels.fresh_prefill else None  # see kernels.FRESH_PREFILL
+        fresh = (k, v) if kernels.fresh_prefill else None  # see Kernels.fresh_prefill
         return kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale,
                                        fresh=fresh)

@@ -8,10 +8,9 @@ from nanovllm.model.layers.quantized import QuantizedWeight, int4_linear, pack_i
 from nanovllm.model.parallel import SINGLE, TensorParallel
 
 # weight_format "int4-bf16": steps of at least this many token rows (prefill) multiply by a
-# bfloat16 copy of the 4-bit weight, 2.5x faster there than the int4 kernel on a CPU with
-# bf16 matrix units; fewer rows (decode, batches of up to 31) use the int4 kernel. Measured
-# in the engine: a 512-token prompt 984 -> 1,730 tok/s; 16 decode rows were slower on the
-# copy (332 against 403 tok/s), hence 32, not the bare matmul's crossover of ~8 rows.
+# bfloat16 copy of the 4-bit weight, faster there than the int4 kernel on a CPU with bf16
+# matrix units; fewer rows (decode) use the int4 kernel, which the engine measured faster
+# up to batches of 16 decode rows, hence 32 and not the bare matmul's crossover.
 BF16_FROM_ROWS = 32
 
 
@@ -29,9 +28,9 @@ class Linear(nn.Module):
 
     `few_rows` (one rank, no bias): a kernel tried first, for steps of few rows, returning
     the output or None for the plain matmul. Kernels.split_k_linear's output is split-K
-    partial products (triton_linear.SplitK) that only a residual-add RMSNorm consumes, so the
+    partial products (triton.linear.SplitK) that only a residual-add RMSNorm consumes, so the
     model gives it only to projections that feed one; Kernels.small_linear's is the plain
-    output (triton_linear.SMALL_GEMMS).
+    output (triton.linear.small_linear).
     """
 
     def __init__(

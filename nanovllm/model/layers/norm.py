@@ -18,5 +18,5 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return self.kernels.rms_norm(x, self.weight, self.eps)
-        # note: the Triton kernel updates `residual` in place (see triton_ops.add_rms_norm)
+        # note: the Triton kernel updates `residual` in place (see triton.ops.add_rms_norm)
         return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)

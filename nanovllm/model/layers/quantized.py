@@ -5,7 +5,7 @@ A GGUF Q4_0 / Q4_1 block holds 32 weights as 4-bit values q in [0, 15] with an f
 (and, for Q4_1, an fp16 minimum m): w = d * (q - 8) for Q4_0, w = d * q + m = d * (q - 8) +
 (m + 8d) for Q4_1. Both are torch's int4 group form `(q - 8) * scale + zero` with groups of 32
 along the input dimension, which `_weight_int4pack_mm_for_cpu` multiplies in bfloat16 (scales
-and zeros rounded from the file's fp16 to bfloat16: see BENCHMARKS.md for what that costs).
+and zeros rounded from the file's fp16 to bfloat16, within the accuracy BENCHMARKS.md states).
 Q4_K's groups of 32 (a 6-bit scale and min under a super-block's fp16 pair) map onto the same
 int4 form. Q8_0 (w = d * q, q int8, 32 per block) keeps its int8 values and scales for the
 embedding lookup; as an LM head it is requantized to one scale per row for `_weight_int8pack_mm`.

@@ -2,13 +2,13 @@
 
 Two entry points:
 
-- `store_kv` (triton_kv_store.py, re-exported here): one program per token copies its K/V
+- `store_kv` (kv_store.py, re-exported here): one program per token copies its K/V
   into the paged cache (slot -1 skips), quantizing for an fp8 cache.
-- `paged_attention`: rows with one query token (decode) go to triton_decode.py's kernel,
+- `paged_attention`: rows with one query token (decode) go to decode.py's kernel,
   one program per (row, kv head, split), the splits combined by a reduce (flash-decoding);
-  rows with several (prefill, chunked prefill over a cached prefix) to triton_prefill.py's,
+  rows with several (prefill, chunked prefill over a cached prefix) to prefill.py's,
   one program per (tile of a row's tokens, kv head). Both loop over tiles of the cache with
-  triton_tiles.py's loads and online-softmax step.
+  tiles.py's loads and online-softmax step.
 
 Launch grids depend only on tensor shapes and python ints, never on device values, so a
 decode step can be captured in a CUDA graph (what each launch bakes in: the decode and
@@ -25,12 +25,12 @@ row, or nothing if their query_len is 0, never NaN, and touch no cache slot.
 import torch
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
-from nanovllm.kernels.triton_decode import launch_decode
+from nanovllm.kernels.triton.decode import launch_decode
 
 # the backend's other entry point
-from nanovllm.kernels.triton_kv_store import store_kv  # noqa: F401
-from nanovllm.kernels.triton_prefill import launch_prefill
-from nanovllm.kernels.triton_tiles import LOG2E, TileConfig
+from nanovllm.kernels.triton.kv_store import store_kv  # noqa: F401
+from nanovllm.kernels.triton.prefill import launch_prefill
+from nanovllm.kernels.triton.tiles import LOG2E, TileConfig
 
 
 def paged_attention(

@@ -2,12 +2,11 @@
 
 A decode step multiplies a few hundred rows. Projected to the hidden size (o_proj 2,048 ->
 1,024 and down_proj 3,072 -> 1,024 in Qwen3-0.6B) that is a short, wide contraction with
-few output tiles: cuBLAS ran these two at ~1 TB/s of weight reads on the H200, 5-7 us each
-at any batch from 16 to 256 rows, while the other two projections of a layer read theirs at
-2-3 TB/s (BENCHMARKS.md). Split along the contraction, S programs share each output tile
+few output tiles, which cuBLAS runs at a fraction of the weight-read bandwidth the other two
+projections of a layer reach. Split along the contraction, S programs share each output tile
 and the GPU fills up; each writes its fp32 partial product, and the residual-add RMSNorm
 that always follows these projections (model/models/llama.py) adds the S slices up as it
-reads its input (triton_ops.add_rms_norm), so the split costs no launch of its own.
+reads its input (triton.ops.add_rms_norm), so the split costs no launch of its own.
 
 `split_k_linear` returns a `SplitK` (the partials) or None where a split does not pay (more
 rows than the table below, or a shape it does not divide): the caller then runs its plain
@@ -16,26 +15,24 @@ projections, qkv and gate_up, at up to 64 rows, into their plain output. Only th
 understand a SplitK; kernels.select_kernels gives both functions to an engine only with them.
 """
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
+from nanovllm.kernels.triton.launch import num_sms, pdl_enter, pdl_launch
 
 # rows -> (block_m, block_n, block_k, stages), from sweeps on the H200 at Qwen3-0.6B's two
-# shapes, each tile timed with the norm that sums its partials (BENCHMARKS.md: 1.05-1.53x
-# over cuBLAS and the norm); above the last row count, cuBLAS
+# shapes, each tile timed with the norm that sums its partials; above the last row count,
+# cuBLAS
 TILES = ((16, (16, 64, 64, 4)), (128, (64, 64, 64, 4)), (256, (64, 128, 64, 3)))
 MAX_SPLITS = 8
 # qkv_proj and gate_up_proj at up to SMALL_TILES' last row count run _split_k_kernel
 # unsplit into the activations' dtype (`small_linear`) as a programmatic dependent launch:
 # it launches during the RMSNorm before it, and the RoPE + store or SiLU after it launches
-# early behind it, where behind a cuBLAS kernel each starts cold (`benchmarks/blas.py
-# --chain` times the chains). rows -> (block_m, block_n, block_k, stages), whole
-# contraction a program
+# early behind it, where behind a cuBLAS kernel each starts cold. rows -> (block_m, block_n,
+# block_k, stages), whole contraction a program
 SMALL_TILES = ((16, (16, 32, 128, 4)), (64, (64, 32, 128, 3)))
 # the longest contraction it takes: measured at Qwen3-0.6B's 1,024 only; a program reads its
 # columns' whole contraction, so a larger model's (8B: 4,096) keeps cuBLAS until measured
@@ -81,15 +78,6 @@ def _split_k_kernel(x_ptr, w_ptr, parts_ptr, M, N, K, k_len, stride_x, stride_w,
     tl.store(out, acc, mask=row_ok)
 
 
-@functools.lru_cache(maxsize=8)
-def _sms(device: torch.device) -> int:
-    # the decode attention's SM count (an H200's off the GPU); imported here, once a device,
-    # as triton_decode imports triton_kv_store, then triton_ops, which imports this module
-    from nanovllm.kernels.triton_decode import _num_sms
-
-    return _num_sms(device)
-
-
 def _tile(x: torch.Tensor, weight: torch.Tensor, table, narrow_k: bool = False):
     """(m, n, k, tile) of x [M, K] @ weight [N, K]^T at the first tile of `table` (rows ->
     (block_m, block_n, block_k, stages)) taking M rows, or None where none does, there are
@@ -128,7 +116,7 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> SplitK | None:
     m, n, k, tile = shapes
     block_m, block_n, block_k, _ = tile
     tiles = triton.cdiv(m, block_m) * (n // block_n)
-    splits = min(MAX_SPLITS, triton.next_power_of_2(max(1, _sms(x.device) // tiles + 1)) // 2)
+    splits = min(MAX_SPLITS, triton.next_power_of_2(max(1, num_sms(x.device) // tiles + 1)) // 2)
     while splits > 1 and k % (splits * block_k):
         splits //= 2
     if splits < 2:  # enough tiles already: the plain matmul

@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (PDL, sm_90 and later) for the Triton kernels of a step.
+"""How the Triton kernels of a step launch: as programmatic dependent launches (PDL, sm_90 and
+later) where the GPU and Triton have them, over how many multiprocessors (`num_sms`).
 
 A decode step is ~8 launches a layer, most of them a few microseconds long, so each one's
 launch and ramp-up, and the tail of the one before it, are a large share of the step. With
@@ -54,3 +55,11 @@ def triton_has_pdl() -> bool:
 @functools.lru_cache(maxsize=8)
 def _has_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    """The GPU's multiprocessors, which the decode's splits and the split-K GEMM fill."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # interpreter runs: pretend an H100/H200 so the split logic is exercised

@@ -1,8 +1,8 @@
 """What the Triton attention kernels share: tile sizes, the loads of a K/V tile from the paged
 cache (bf16, or fp8 bytes converted in registers), and one step of the online softmax.
 
-`triton_decode.py` (one query token a row) and `triton_prefill.py` (several) loop over tiles
-of a row's context with these; `triton_attention.py` picks between them. The cache's layout
+`decode.py` (one query token a row) and `prefill.py` (several) loop over tiles
+of a row's context with these; `attention.py` picks between them. The cache's layout
 is worker/kv_cache.py's: K rows of values (an fp8 row with its token-head's float32 scale,
 or the scales in a plane after a head-major block's values), V the same or, over an fp8
 cache, stored transposed within each block, so that both tiles reach the tensor cores from
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.kernels.torch_attention import k_scale_plane, v_transposed
 
 LOG2E = 1.4426950408889634
 # a finite "minus infinity" for running maxima, so a row that has seen no key yet gives
@@ -33,7 +35,7 @@ class TileConfig:
     # prefill: query rows per program (tokens x padded GQA group); decode: the fewest rows
     # of its dots (the GQA group's heads padded to a power of 2, at least block_m; Triton pads
     # a dot under the tensor cores' 16 rows itself, but the softmax then works on the real
-    # rows only: benchmarks/attention.py --group-rows)
+    # rows only)
     block_m: int
     block_n: int  # KV positions per tile; any multiple or fraction of the cache block size
     num_warps: int = 4
@@ -181,7 +183,7 @@ def _load_block_tile(
     # on average half past its end. The positions read past it (V's in the vector holding
     # the end; every one without SKIP) weigh nothing (scores masked, probabilities 0, scales
     # 0); that needs their bytes finite (0 * NaN is NaN): the cache starts zeroed and the
-    # store writes no NaN (triton_kv_store.py). Zeroing them after the load instead, any
+    # store writes no NaN (kv_store.py). Zeroing them after the load instead, any
     # select on the tile, sends it through shared memory a second time (seen in the PTX).
     tile_at = _tile_block(cache_ptr, bt_row_ptr, start, kv_head, stride_b, stride_s, stride_h,
                           BLOCK_SIZE, offs_n.shape[0])
@@ -287,3 +289,22 @@ def _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed, scale_log2,
         pv = p.to(v.dtype)
     acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+def cache_flags(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
+               q: torch.Tensor | None = None) -> dict:
+    """The cache format's kernel flags. A cache of bytes holds float8 e4m3
+    (kv_cache_dtype="fp8"); one wider than head_dim holds each token-head's float32 scale
+    after its values (torch_attention's format); V_T: the V cache is stored transposed
+    within each block (worker/kv_cache.py), and then the K cache keeps each block-head's
+    scales in a plane after its values (torch_attention.k_scale_plane). With the attention's
+    query `q`: FP8_ASM, whether the tiles are converted by PTX into float16 and the dots run
+    in float16 (a bf16/fp16 query on a GPU; see _load_kv_tile)."""
+    fp8 = k_cache.dtype == torch.uint8
+    flags = dict(FP8=fp8, SCALED=fp8 and k_cache.shape[-1] > head_dim,
+                 V_T=v_transposed(v_cache))
+    if flags["V_T"] != k_scale_plane(k_cache):
+        raise ValueError("a V cache stored transposed goes with a K cache with a scale plane")
+    if q is not None:
+        flags["FP8_ASM"] = fp8 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    return flags

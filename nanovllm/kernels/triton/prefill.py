@@ -1,5 +1,5 @@
 """Prefill attention in Triton: rows with several query tokens (a prompt, or a chunk of one
-over its cached prefix; triton_attention.py sends them here).
+over its cached prefix; attention.py sends them here).
 
 One program per (tile of BLOCK_Q tokens of one row, kv head), with M = BLOCK_Q tokens x the
 group's query heads; the causal mask is applied only to the tiles that straddle the
@@ -17,8 +17,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
-from nanovllm.kernels.triton_kv_store import _fp8_flags
-from nanovllm.kernels.triton_tiles import (
+from nanovllm.kernels.triton.tiles import (
     NEG_BIG,
     TileConfig,
     _block_n,
@@ -27,6 +26,7 @@ from nanovllm.kernels.triton_tiles import (
     _pow2,
     _softmax_step,
     _to_f16,
+    cache_flags,
 )
 
 PREFILL_BLOCK_N, PREFILL_STAGES = 32, 3  # a bf16 cache's prefill tiles (default_prefill_config)
@@ -41,11 +41,9 @@ def default_prefill_config(
     # reports ptxas' registers and spills): bf16 d128 at ~150 regs; the fp8 cache's tiles at
     # the 255 cap (no spill with the device's Triton 3.6). fp32 is the exact test path; its
     # "ieee" dot runs on FMAs, so small tiles.
-    # A bf16 cache's KV tiles are 32 positions (3 stages at 8 warps): on the H200 a seed
-    # prefill step (27 fresh prompts, 16,384 tokens) took 0.243 ms against 0.306 with 64
-    # and 2, 8 x 512 0.062 against 0.071 (benchmarks/attention.py --prefill). An fp8
-    # cache's are 64 query rows by 64 positions at 4 warps and 3 stages: 0.366 ms against
-    # 0.411 with 128 rows at 8 warps, 8 x 512 0.083 against 0.091 (--prefill --fp8).
+    # A bf16 cache's KV tiles are 32 positions (3 stages at 8 warps), an fp8 cache's 64
+    # query rows by 64 positions at 4 warps and 3 stages: the fastest of the H200's sweeps
+    # over full prefill steps and chunks after a cached prefix.
     exact = dtype == torch.float32
     cap = 32 if exact else 64 if fp8 or head_dim > 128 else 128
     # a tile holds at least one token of every query head of the group; beyond that, short
@@ -120,7 +118,7 @@ def _prefill_fresh(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_rows"])  # see triton_tiles' _NO_RESPECIALIZE
+@triton.jit(do_not_specialize=["num_rows"])  # see tiles.py' _NO_RESPECIALIZE
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, kn_ptr, vn_ptr,
     qsl_ptr, ctx_ptr, bt_ptr, scale_log2, num_rows,
@@ -232,13 +230,13 @@ def launch_prefill(q, k_cache, v_cache, out, scale_log2: float, meta: AttentionM
                    fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
                    skip_decode: bool = False) -> None:
     """The attention of meta's rows of several query tokens into `out`
-    (triton_attention.paged_attention's arguments; `skip_decode`: the decode kernel owns the
+    (triton.attention.paged_attention's arguments; `skip_decode`: the decode kernel owns the
     rows of one token)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_rows = meta.context_lens.shape[0]
     group = num_q_heads // num_kv_heads
-    flags = _fp8_flags(k_cache, v_cache, head_dim, q)
+    flags = cache_flags(k_cache, v_cache, head_dim, q)
     # an fp8 cache's tiles with `fresh` too (on the H200 a seed prefill step 0.236 ms against
     # 0.261 with a bf16 cache's, a chunk of 8 x 512 after 1,536 0.291 against 0.396)
     cfg = cfg or default_prefill_config(head_dim, meta.max_query_len, group, q.dtype,

@@ -1,11 +1,11 @@
-"""Decode attention in Triton: rows with one query token (triton_attention.py sends them here).
+"""Decode attention in Triton: rows with one query token (attention.py sends them here).
 
 One program per (row, kv head, split): the kv head's GQA query heads are the M dimension of
 `tl.dot` (padded to a power of 2; Triton pads the dot to the tensor cores' 16 rows), so each
 K/V tile is read once per group. With num_splits > 1 each split covers a slice of the
 context and writes a partial (normalized acc, log2-sum-exp), and `_reduce_kernel` combines
 the splits (flash-decoding). The grid is (kv head x split, row slot) and slot i runs the
-i-th longest row, ranked on the device (triton_rank.py): the GPU starts programs in grid
+i-th longest row, ranked on the device (decode.py): the GPU starts programs in grid
 order, so no long row starts last and runs alone at the end. An fp8 cache's tiles read
 nothing past the context's end (`_load_block_tile`'s SKIP).
 
@@ -18,17 +18,13 @@ empty and weigh nothing in the reduction. A padding row (context_len 0) reads no
 gives zeros in its output row, or nothing if its query_len is 0.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention_metadata import AttentionMetadata
-from nanovllm.kernels.triton_kv_store import _fp8_flags
-from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
-from nanovllm.kernels.triton_rank import longest_first
-from nanovllm.kernels.triton_tiles import (
+from nanovllm.kernels.triton.launch import num_sms, pdl_enter, pdl_launch
+from nanovllm.kernels.triton.tiles import (
     NEG_BIG,
     TileConfig,
     _block_n,
@@ -38,20 +34,22 @@ from nanovllm.kernels.triton_tiles import (
     _register_cap,
     _softmax_step,
     _to_f16,
+    cache_flags,
 )
 
 # split-KV heuristic (see `choose_num_splits`)
 TARGET_PROGRAMS_PER_SM = 4  # bf16 d128 decode programs fit ~5 per SM (regs and smem)
 MIN_SPLIT_TOKENS = 256  # fewer tokens per split and the partial write + reduce dominate
 MAX_SPLITS = 64
+RANK_BLOCK = 128  # rows a _rank_kernel program compares at a time
 FP8_DECODE_REGISTERS = 128  # an fp8 cache's decode: 4 programs of 4 warps an SM
 
 
 def default_decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
                           fp8: bool = False) -> TileConfig:
     """`fp8`: the cache holds fp8 bytes, so a tile of 128 positions moves a bf16 tile of
-    64's bytes (on the H200 the seed workload ran 1.12x faster with them; fp8 V tiles stay
-    within one block, hence the 128-token blocks of an fp8 cache, engine/resolve.py)."""
+    64's bytes (fp8 V tiles stay within one block, hence the 128-token blocks of an fp8
+    cache, engine/resolve.py)."""
     if dtype == torch.float32:
         return TileConfig(block_m=16, block_n=32, num_warps=8, num_stages=2)
     if head_dim <= 128:
@@ -59,28 +57,17 @@ def default_decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
     return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
 
 
-# The decode's tiles for head_dim <= 128, by cache (benchmarks/offline.py --decode-tile puts
-# another in for an A/B). fp8: ptxas gave it ~147 registers a thread, so 3 programs an SM;
-# capped at 128 (a few bytes spilled), 4 fit: on the H200 the seed's decode contexts read
-# 1.04x faster, ragged ones 1.06x (benchmarks/attention.py --fp8-registers). bf16 d128: ~91
-# registers, 39 KB of shared memory, so 5 programs fit an SM. At these stages each K/V tile
-# has one buffer (`python -m tests.model.sm90_ptx --decode-tiles`; BENCHMARKS.md).
-# block_m=1: the dots span the GQA group's heads only (padded to a power of 2; Triton pads
-# them to the tensor cores' 16 rows), not 16 rows of which the softmax works on 14 padding
-# rows: the H200's fp8 decode 1.03-1.04x, the seed workload 1.05x; bf16 decode 1.01x
-# (benchmarks/attention.py --group-rows, BENCHMARKS.md)
+# The decode's tiles for head_dim <= 128, by cache. fp8: ptxas gave it ~147 registers a
+# thread, so 3 programs an SM; capped at 128 (a few bytes spilled), 4 fit, and the decode
+# reads faster. bf16 d128: ~91 registers, 39 KB of shared memory, so 5 programs fit an SM.
+# At these stages each K/V tile has one buffer. block_m=1: the dots span the GQA group's
+# heads only (padded to a power of 2; Triton pads them to the tensor cores' 16 rows), so
+# the softmax works on the real rows, not on 16 rows of which most are padding.
 DECODE_TILES = {
     "fp8": TileConfig(block_m=1, block_n=128, num_warps=4, num_stages=2,
                       max_registers=FP8_DECODE_REGISTERS),
     "bf16": TileConfig(block_m=1, block_n=64, num_warps=4, num_stages=3),
 }
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # interpreter runs: pretend an H100/H200 so the split logic is exercised
 
 
 def choose_num_splits(
@@ -100,7 +87,7 @@ def choose_num_splits(
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # see triton_tiles' _NO_RESPECIALIZE
+@triton.jit(do_not_specialize=["num_splits"])  # see tiles.py' _NO_RESPECIALIZE
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, ctx_ptr, bt_ptr, order_ptr, scale_log2, num_splits,
@@ -195,7 +182,7 @@ def _decode_out(acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, row, split, nu
         tl.store(part_o_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=store_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # see triton_tiles' _NO_RESPECIALIZE
+@triton.jit(do_not_specialize=["num_splits"])  # see tiles.py' _NO_RESPECIALIZE
 def _reduce_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_splits,
     stride_ot, stride_oh, stride_od,
@@ -226,7 +213,7 @@ def _reduce_kernel(
 
 def launch_decode(q, k_cache, v_cache, out, scale_log2: float, meta: AttentionMetadata,
                   num_splits: int | None = None, cfg: TileConfig | None = None) -> None:
-    """The attention of meta's decode rows into `out` (triton_attention.paged_attention's
+    """The attention of meta's decode rows into `out` (triton.attention.paged_attention's
     arguments), the rows started longest first."""
     num_rows = meta.context_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -234,11 +221,11 @@ def launch_decode(q, k_cache, v_cache, out, scale_log2: float, meta: AttentionMe
     group = num_q_heads // num_kv_heads
     qsl, ctx, bt = meta.query_start_loc, meta.context_lens, meta.block_tables
     max_context_len = meta.max_context_len
-    flags = _fp8_flags(k_cache, v_cache, head_dim, q)
+    flags = cache_flags(k_cache, v_cache, head_dim, q)
     cfg = cfg or default_decode_config(head_dim, q.dtype, fp8=flags["FP8"])
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, max_context_len,
-                                       _num_sms(q.device))
+                                       num_sms(q.device))
     part_o, part_lse = split_partials(out, num_rows, num_splits)
     # Programs start in grid order, x fastest: the last to start are the shortest rows'
     # (LPT order), so no long row runs alone at the end
@@ -278,3 +265,36 @@ def reduce_splits(part_o, part_lse, out, qsl, num_rows: int, num_splits: int) ->
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim),
             BLOCK_S=_pow2(num_splits), num_warps=4, **pdl_launch(out),
         )
+
+
+# ---- the decode rows longest first: one launch of B small programs ranks them once a step
+# (torch's sort would be a radix sort of several launches)
+
+def longest_first(meta: AttentionMetadata) -> torch.Tensor:
+    """The rows by context length, longest first, ties in row order ([B] int32), ranked on
+    the device once per step (every layer shares it; a CUDA graph replays the launch)."""
+    order = meta.derived.get("longest_first")
+    if order is None:
+        lens = meta.context_lens
+        order = torch.empty(lens.shape[0], dtype=torch.int32, device=lens.device)
+        if lens.shape[0]:
+            _rank_kernel[(lens.shape[0],)](lens, order, lens.shape[0], BLOCK=RANK_BLOCK,
+                                           num_warps=4, **pdl_launch(lens))
+        meta.derived["longest_first"] = order
+    return order
+
+
+@triton.jit(do_not_specialize=["num_rows"])  # see tiles.py' _NO_RESPECIALIZE
+def _rank_kernel(ctx_ptr, order_ptr, num_rows, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    # program i puts row i at its place: the rows with longer contexts, and the rows before it
+    # with as long a one, go ahead of it. The rows are counted BLOCK at a time,
+    # so one compiled variant serves every row count.
+    pdl_enter(PDL)
+    i = tl.program_id(0)
+    mine = tl.load(ctx_ptr + i)
+    ahead = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, num_rows, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        lens = tl.load(ctx_ptr + offs, mask=offs < num_rows, other=-1)
+        ahead += ((lens > mine) | ((lens == mine) & (offs < i))).to(tl.int32)
+    tl.store(order_ptr + tl.sum(ahead, 0), i)

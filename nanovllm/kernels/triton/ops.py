@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.triton_linear import SplitK
-from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
+from nanovllm.kernels.triton.launch import pdl_enter, pdl_launch
+from nanovllm.kernels.triton.linear import SplitK
 
 
 def _pow2(n: int) -> int:
@@ -58,7 +58,7 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if PARTS > 0:  # x: a split-K projection's fp32 partials (triton_linear.py), summed here
+    if PARTS > 0:  # x: a split-K projection's fp32 partials (linear.py), summed here
         for part in tl.static_range(1, PARTS):
             x += tl.load(x_ptr + part * stride_part + row * stride_x + cols, mask=mask, other=0.0)
         # rounded as the plain matmul rounds its output: to the activation (residual) dtype
@@ -130,7 +130,7 @@ def add_rms_norm(
     this function's own result) that nothing else reads once it is passed on, and updating
     it in place saves an allocation and a write of a new tensor per norm.
 
-    `x` may be a split-K projection's partial products (triton_linear.SplitK): they are
+    `x` may be a split-K projection's partial products (triton.linear.SplitK): they are
     summed and rounded to their dtype, which must be the residual's, as the projection's
     plain matmul would have rounded its output.
     """
@@ -244,7 +244,7 @@ def qk_norm_rope_program(
     HAS_NORM: tl.constexpr,
 ):
     """Token `tok`'s q heads (which == 0) or k heads (1), normalized and rotated in place
-    (also the first half of triton_kv_store's fused kernel)."""
+    (also the first half of kv_store.py's fused kernel)."""
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     # apply_rotary casts the fp32 table rows to the activation dtype before multiplying
@@ -316,7 +316,7 @@ def rope_launch(
     sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
 ) -> tuple[list, dict] | None:
     """The checked arguments and constexprs (num_warps included) of a qk_norm_rope launch,
-    shared by triton_kv_store's fused kernel; None when there are no tokens."""
+    shared by kv_store.py's fused kernel; None when there are no tokens."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     half = head_dim // 2

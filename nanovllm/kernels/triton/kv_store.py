@@ -1,10 +1,10 @@
 """Writing K/V into the paged cache in Triton (`store_kv`), the CUDA backend's counterpart of
 `torch_attention.store_kv`: the same bytes, for the model's dtype and for an fp8 cache
 (float8 e4m3 values, then each token-head's float32 scale when the cache is that wide).
-triton_attention.py reads what this writes and re-exports `store_kv`, so the backend is one
-module to the model (kernels/__init__.py).
+attention.py reads what this writes and re-exports `store_kv`, so the backend is one module
+to the model (kernels/__init__.py).
 
-`qk_norm_rope_store` is triton_ops.qk_norm_rope and `store_kv` in one launch, the one a
+`qk_norm_rope_store` is ops.qk_norm_rope and `store_kv` in one launch, the one a
 decoder layer makes when both its ops and its attention are Triton's: a launch less per
 layer, ~1.5-1.8 us of a decode step's GPU time each on an H200."""
 
@@ -12,17 +12,22 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.torch_attention import k_scale_plane, v_transposed
-from nanovllm.kernels.triton_e4m3 import _store_fp8
-from nanovllm.kernels.triton_kv_runs import RUN, _complete_run, _store_v_run
-from nanovllm.kernels.triton_ops import qk_norm_rope, qk_norm_rope_program, rope_launch
-from nanovllm.kernels.triton_pdl import pdl_enter, pdl_launch
+from nanovllm.kernels.triton.launch import pdl_enter, pdl_launch
+from nanovllm.kernels.triton.ops import qk_norm_rope, qk_norm_rope_program, rope_launch
+from nanovllm.kernels.triton.tiles import cache_flags
 
 # The fused RoPE + store of up to this many tokens (a decode step's) into a V cache stored
 # transposed stores each token's V from a program of its own, beside the ones rotating q
 # and k, so the V's byte writes do not wait on the RoPE; a larger launch (a prefill step's)
 # is faster with the V after the K in the same program.
 V_APART_MAX_TOKENS = 1024
+FP8_MAX = tl.constexpr(448.0)  # the largest float8 e4m3 value
+# a transposed fp8 V is written RUN positions at a time where a launch stores RUN tokens at
+# consecutive slots from a multiple of RUN (a prefill chunk's), all in one block of one
+# sequence: each row of the run's V takes its RUN bytes in one store instead of one byte
+# from each token's program. Every token of a run decides the same from the run's slots
+# (`_complete_run`), so the host does nothing for it.
+RUN = tl.constexpr(16)
 
 
 @triton.jit
@@ -60,7 +65,7 @@ def _store_token(
     # token `tok`'s K/V [heads, head_dim] into its slot (-1: none); PART 1: its K only, 2:
     # its V only (the fused kernel's programs apart), 0: both. Beside a transposed V (V_T) an
     # fp8 K keeps each block-head's scales in a plane after its values
-    # (torch_attention.k_scale_plane); a transposed V is written by runs (triton_kv_runs.py)
+    # (torch_attention.k_scale_plane); a transposed V is written by runs (kv_store.py)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     # clamp so a skipped (-1) slot never forms an address before the cache, even masked
     safe = tl.maximum(slot, 0)
@@ -221,26 +226,97 @@ def store_kv(
 
 def _store_consts(k: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict:
     _, num_heads, head_dim = k.shape
-    flags = _fp8_flags(k_cache, v_cache, head_dim)
+    flags = cache_flags(k_cache, v_cache, head_dim)
     return dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                 BLOCK_H=triton.next_power_of_2(num_heads),
                 BLOCK_D=triton.next_power_of_2(head_dim), **flags)
 
 
-def _fp8_flags(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
-               q: torch.Tensor | None = None) -> dict:
-    """The cache format's kernel flags. A cache of bytes holds float8 e4m3
-    (kv_cache_dtype="fp8"); one wider than head_dim holds each token-head's float32 scale
-    after its values (torch_attention's format); V_T: the V cache is stored transposed
-    within each block (worker/kv_cache.py), and then the K cache keeps each block-head's
-    scales in a plane after its values (torch_attention.k_scale_plane). With the attention's
-    query `q`: FP8_ASM, whether the tiles are converted by PTX into float16 and the dots run
-    in float16 (a bf16/fp16 query on a GPU; see _load_kv_tile)."""
-    fp8 = k_cache.dtype == torch.uint8
-    flags = dict(FP8=fp8, SCALED=fp8 and k_cache.shape[-1] > head_dim,
-                 V_T=v_transposed(v_cache))
-    if flags["V_T"] != k_scale_plane(k_cache):
-        raise ValueError("a V cache stored transposed goes with a K cache with a scale plane")
-    if q is not None:
-        flags["FP8_ASM"] = fp8 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-    return flags
+# ---- float32 -> e4m3 bytes as the CUDA kernels round them (in Triton's CPU interpreter a
+# plain cast drops a mantissa's carry, so _round_e4m3 rounds in float32 first)
+
+@triton.jit
+def _round_e4m3(x):
+    # x (float32, |x| <= 448) rounded to the nearest float8 e4m3 value, ties to even, in
+    # float32 arithmetic, so the cast after it is exact: the interpreter's own cast loses
+    # the carry of a mantissa that rounds up (1.97 -> 1.0); a GPU's cast would agree
+    bits = x.to(tl.int32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3: subnormal below 2^-6
+    step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer, RNE
+    r = ((tl.abs(x) / step + magic) - magic) * step
+    return tl.where(bits < 0, -r, r)
+
+
+@triton.jit
+def _store_fp8(cache, scale_at, x, mask, head_mask, offs_h, offs_d, stride_h, stride_d,
+               HEAD_DIM: tl.constexpr, SCALED: tl.constexpr, PLANES: tl.constexpr):
+    # the torch reference's quantize_fp8: float8 e4m3 bytes, then (SCALED) each head's
+    # float32 scale amax / 448 at `scale_at` (head 0's; the 4 bytes after its values, or a
+    # K cache's scale plane). In a cache stored
+    # transposed (PLANES: an fp8 V cache, worker/kv_cache.py) those 4 bytes are stride_d
+    # apart, each in its own row of the block
+    # NaN stored as 0, +-inf as +-float32 max, as the reference does: the cache holds finite
+    # bytes only, which the attention of a V cache stored transposed relies on
+    x = x.to(tl.float32)
+    x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -3.4028234663852886e38),
+                   3.4028234663852886e38)
+    if SCALED:
+        scale = tl.maximum(tl.max(tl.abs(tl.where(mask, x, 0.0)), 1), 1e-12) / FP8_MAX
+        x = x / scale[:, None]
+        if PLANES:
+            bits = scale.to(tl.int32, bitcast=True)
+            for j in tl.static_range(4):
+                tl.store(cache + offs_h * stride_h + (HEAD_DIM + j) * stride_d,
+                         ((bits >> (8 * j)) & 0xFF).to(tl.uint8), mask=head_mask)
+        else:
+            scale_ptr = (scale_at + offs_h * stride_h).to(tl.pointer_type(tl.float32))
+            tl.store(scale_ptr, scale, mask=head_mask)
+    x = _round_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
+    tl.store(cache + offs_h[:, None] * stride_h + offs_d[None, :] * stride_d,
+             x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
+
+
+# ---- a transposed V by runs (RUN)
+
+@triton.jit
+def _complete_run(slot_ptr, tok, slot, num_tokens):
+    # -> (the token that leads token `tok`'s run, whether that run is complete: RUN tokens
+    # of this launch, from the lead on, at consecutive slots from a multiple of RUN, so all
+    # in one block and one sequence). Every token of a run computes the same answer
+    safe = tl.maximum(slot, 0)
+    lead = tok - safe % RUN
+    offs = tl.arange(0, RUN)
+    idx = lead + offs
+    inside = (idx >= 0) & (idx < num_tokens)
+    slots = tl.load(slot_ptr + tl.where(inside, idx, 0), mask=inside, other=-1)
+    same = (slots == (safe - safe % RUN) + offs) & inside
+    complete = (tl.sum(same.to(tl.int32), 0) == RUN) & (slot >= 0)
+    return lead, complete
+
+
+@triton.jit
+def _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h, stride_d,
+                 mine, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, SCALED: tl.constexpr):
+    # the V of RUN tokens from `lead` into a transposed cache at `run_at` (their first
+    # position), heads mine, mine + RUN, ...: per head, _store_fp8 with the run's positions
+    # as its rows, a byte apart, so each of a head's rows takes the run's RUN bytes in one store
+    for h in range(mine, NUM_HEADS, RUN):
+        _store_v_run_head(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h,
+                          stride_d, h, HEAD_DIM, BLOCK_D, SCALED)
+
+
+@triton.jit
+def _store_v_run_head(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h,
+                      stride_d, h, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      SCALED: tl.constexpr):
+    offs_t = tl.arange(0, RUN)
+    offs_d = tl.arange(0, BLOCK_D)
+    dim_ok = offs_d[None, :] < HEAD_DIM
+    rows = (lead + offs_t).to(tl.int64)
+    x = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :] * stride_vd,
+                mask=dim_ok, other=0.0)  # [RUN, D]
+    head_at = run_at + h * stride_h
+    _store_fp8(head_at, head_at, x, dim_ok, offs_t < RUN, offs_t, offs_d, 1, stride_d,
+               HEAD_DIM, SCALED, True)
