@@ -110,7 +110,7 @@ class PreemptionCost:
     flops_per_token: float  # 2 x parameters
     attention_flops: float  # x n^2 for an n-token causal prefill
     flops_per_s: float  # the device's rate on the model's matmuls
-    # the copy out runs behind the step's forward pass (HostKVPool.overlap_out): only the
+    # the copy out runs behind the step's forward pass (on a GPU, HostKVPool): only the
     # copy back in is waited for
     out_hidden: bool = False
 

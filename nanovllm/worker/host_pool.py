@@ -34,11 +34,8 @@ class HostKVPool:
     for what it needs: the blocks copied out gathered into a device buffer of their own
     (fast, device memory) and the blocks copied in landed. The gathered blocks then cross
     to the host while the forward pass runs, so a swap-out or an offload costs the step a
-    device-side gather, not a trip over PCIe (`overlap_out`; False waits for the host
-    copies too, as before). A later copy that reads those host slots queues behind them on
-    the same stream."""
-
-    overlap_out = True  # class-wide: benchmarks/kv_tiers.py compares both in one run
+    device-side gather, not a trip over PCIe. A later copy that reads those host slots
+    queues behind them on the same stream."""
 
     def __init__(self, cache: KVCache, num_slots: int) -> None:
         t = cache.tensor
@@ -71,11 +68,9 @@ class HostKVPool:
         with torch.cuda.stream(self.stream):  # no-op on a CPU (stream None)
             staged = self._gather(out)  # before `in_` may overwrite one of those blocks
             self._from_host(in_, out, staged)
-            if main is not None and self.overlap_out:  # the forward pass does not wait
-                main.wait_stream(self.stream)         # for the trip to the host
+            if main is not None:  # the forward pass does not wait for the trip to the host
+                main.wait_stream(self.stream)
             self._to_host(staged, out)
-        if main is not None and not self.overlap_out:
-            main.wait_stream(self.stream)
 
     def _gather(self, out: list[tuple[int, int]]) -> torch.Tensor | None:
         """The blocks of `out` as [n, 2, layers, ...], a buffer of their own on the device."""
@@ -220,5 +215,5 @@ def measure_preemption_cost(cache: KVCache, model: ModelConfig, max_tokens: int,
         # QK^T and PV over a causal n x n triangle: 2 x 2 x n^2 / 2 x width, per layer
         attention_flops=2.0 * model.num_hidden_layers * q_width,
         flops_per_s=2.0 * rows * model.hidden_size * model.intermediate_size / mm_s,
-        out_hidden=cuda and HostKVPool.overlap_out,
+        out_hidden=cuda,
     )

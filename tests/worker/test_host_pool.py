@@ -1,6 +1,6 @@
 """HostKVPool.copy: the bytes of a step's copies between the KV cache and host slots, in the
 order the BlockManager relies on, with the host transfers of copied-out blocks left to run
-behind the forward pass on a GPU (`overlap_out`)."""
+behind the forward pass on a GPU."""
 
 from types import SimpleNamespace
 
@@ -14,8 +14,7 @@ from nanovllm.worker.host_pool import HostKVPool, page_locked, registers
 SHAPE = (2, 4, 6, 64, 8, 128)
 
 
-def make_pool(device: str, overlap: bool, monkeypatch) -> tuple[torch.Tensor, HostKVPool]:
-    monkeypatch.setattr(HostKVPool, "overlap_out", overlap)
+def make_pool(device: str) -> tuple[torch.Tensor, HostKVPool]:
     cache = torch.randn(SHAPE, device=device)
     return cache, HostKVPool(SimpleNamespace(tensor=cache), num_slots=4)
 
@@ -24,10 +23,8 @@ def block(cache: torch.Tensor, b: int) -> torch.Tensor:
     return cache[:, :, b].clone()
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_a_step_copies_out_before_in_and_the_forward_pass_may_overwrite(
-        device, overlap, monkeypatch):
-    cache, pool = make_pool(device, overlap, monkeypatch)
+def test_a_step_copies_out_before_in_and_the_forward_pass_may_overwrite(device):
+    cache, pool = make_pool(device)
     pool.tensor[2].copy_(torch.randn(pool.tensor.shape[1:]))  # a block swapped out earlier
     before = {b: block(cache, b) for b in range(3)}
     slot2 = pool.tensor[2].clone()
@@ -45,13 +42,11 @@ def test_a_step_copies_out_before_in_and_the_forward_pass_may_overwrite(
     torch.testing.assert_close(block(cache, 2), before[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_a_slot_written_and_read_in_one_step_reads_what_was_written(device, overlap,
-                                                                    monkeypatch):
+def test_a_slot_written_and_read_in_one_step_reads_what_was_written(device):
     # the BlockManager offloads an evicted block to a slot and, in the same step, a prefix
     # lookup finds it there and copies it back into another block; the slot is written
     # twice (the LRU slot reused), and the read comes after the last write
-    cache, pool = make_pool(device, overlap, monkeypatch)
+    cache, pool = make_pool(device)
     before = {b: block(cache, b) for b in range(3)}
     pool.copy([(0, 3), (1, 3)], [(3, 2)])
     cache[:, :, 1].fill_(-1.0)  # the forward pass writes over the block it evicted
@@ -61,9 +56,9 @@ def test_a_slot_written_and_read_in_one_step_reads_what_was_written(device, over
     torch.testing.assert_close(pool.tensor[3], before[1].cpu(), rtol=0, atol=0)
 
 
-def test_the_forward_pass_sees_blocks_copied_in(device, monkeypatch):
+def test_the_forward_pass_sees_blocks_copied_in(device):
     """A kernel on the current stream right after `copy` reads the block as copied in."""
-    cache, pool = make_pool(device, True, monkeypatch)
+    cache, pool = make_pool(device)
     pool.tensor[3].copy_(torch.randn(pool.tensor.shape[1:]))
     pool.copy([(4, 0)], [(3, 5)])
     got = cache[:, :, 5].sum(dim=(2, 3, 4)).cpu()  # queued at once, no synchronize first
