@@ -39,7 +39,6 @@ import os
 import signal
 from multiprocessing.connection import Connection
 
-from nanovllm.engine import stack_sampler
 from nanovllm.engine.engine_loop import EngineLoop
 from nanovllm.engine.messages import EngineInfo, EngineProcessConfig, Fatal, Ready
 
@@ -99,16 +98,12 @@ def run_engine_loop(conns: list[Connection], config: EngineProcessConfig) -> Non
     ))  # fmt: skip
     for conn in conns:
         conn.send(ready)
-    sampler = stack_sampler.from_env(".engine")  # NANOVLLM_SAMPLE_STACKS: where time goes
     try:
         loop.run()
     except (EOFError, ConnectionError, KeyboardInterrupt):
         # a front end is gone: the server is stopping or broken, nothing to serve (its pipe
         # reads EOF, or ECONNRESET where it left replies unread; writes: EPIPE)
         pass
-    finally:
-        if sampler is not None:
-            sampler.stop()
 
 
 def freeze_heap() -> int:

@@ -9,7 +9,6 @@ import socket
 from pathlib import Path
 
 from nanovllm.core.errors import ConfigError
-from nanovllm.engine import stack_sampler
 from nanovllm.engine.engine_proc import freeze_heap
 from nanovllm.engine.messages import EngineProcessConfig
 from nanovllm.engine.tokenizer import load_tokenizer
@@ -87,9 +86,6 @@ def _serve(engine: EngineProcessConfig, server: ServerSettings,
                     if sock is not sockets[0]:  # queues connections no one accepts
                         sock.close()
                 sockets = sockets[:1]
-            # NANOVLLM_SAMPLE_STACKS: where time goes (the report is rewritten as it runs:
-            # uvicorn ends the process by re-raising SIGTERM, past any `finally`)
-            stack_sampler.from_env(".front")
             http = http_server(build_app(client, tokenizer, server), server, front_ends)
             died = stop_when_engines_die(client, http)
             if front_ends:
