@@ -43,11 +43,11 @@ def test_temperature_rows_follow_softmax(triton_device: str) -> None:
     assert_matches(out, torch.softmax(SMALL_LOGITS.double() / 0.6, -1))
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_mass_in_every_tile_and_none_in_some(triton_device: str, splits: int) -> None:
+def test_mass_in_every_tile_and_none_in_some(triton_device: str) -> None:
     """A vocabulary of four tiles with its probable tokens spread across them, on their
     edges, a tile of tokens too unlikely to come up and most of one holding no mass at all
-    (-inf): the draw must find the right tile and the right token in it."""
+    (-inf): the draw must find the right tile and the right token in it. (Over 4 programs a
+    row; the draw does not depend on their count: the test after this.)"""
     vocab, n = 4096, 800 if triton_device == "cpu" else 40_000
     logits = torch.full((vocab,), float("-inf"))
     hot = torch.tensor([0, 1023, 1024, 1500, 3071, 3072, 4095])  # about the tiles' edges
@@ -56,7 +56,7 @@ def test_mass_in_every_tile_and_none_in_some(triton_device: str, splits: int) ->
     logits[hot] = torch.tensor([0.5, 1.0, -0.5, 0.0, 1.5, 0.2, -1.0])
     rows = logits.expand(n, -1).contiguous().to(triton_device)
     out = cdf.sample_one_pass(rows, torch.ones(n, device=triton_device), 1e-5, seed=99,
-                              num_splits=splits)
+                              num_splits=4)
     probs = torch.softmax(logits.double(), -1)
     hits = torch.bincount(out.cpu(), minlength=vocab)
     assert hits[probs == 0].sum() == 0
