@@ -27,7 +27,9 @@ from nanovllm.engine.messages import (
 )
 from nanovllm.engine.outbox import Outbox
 
-ENGINE = dict(device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+# a cache of 1,024 blocks: the CPU default at block_size 4 is a million, seconds to set up
+ENGINE = dict(device="cpu", block_size=4, num_kv_blocks=1024, max_num_seqs=4,
+              max_num_batched_tokens=64)
 
 
 @pytest.fixture(scope="module")
