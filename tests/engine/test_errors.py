@@ -9,33 +9,10 @@ from nanovllm import LLM, ConfigError, InvalidRequestError, ModelLoadError, Samp
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama) -> LLM:
-    return LLM(str(tiny_llama), device="cpu", max_model_len=64, block_size=4)
+    return LLM(str(tiny_llama), device="cpu", max_model_len=64, block_size=4, num_kv_blocks=64)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-
-
-@pytest.mark.parametrize(
-    "kwargs, param",
-    [
-        (dict(temperature=-0.5), "temperature"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
-        (dict(top_k=-3), "top_k"),
-        (dict(min_p=2.0), "min_p"),
-        (dict(max_tokens=0), "max_tokens"),
-        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
-        (dict(n=0), "n"),
-        (dict(repetition_penalty=0.0), "repetition_penalty"),
-        (dict(presence_penalty=3.0), "presence_penalty"),
-        (dict(logprobs=-1), "logprobs"),
-        (dict(stop=[""]), "stop"),
-    ],
-)
-def test_invalid_sampling_params(kwargs, param):
-    with pytest.raises(InvalidRequestError) as e:
-        SamplingParams(**kwargs)
-    assert e.value.param == param and param in str(e.value)
 
 
 def test_bad_prompts_fail_before_any_work(llm):
