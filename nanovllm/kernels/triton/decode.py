@@ -99,7 +99,7 @@ def _decode_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, WRITE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
+    FP8: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
     V_T: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -138,10 +138,10 @@ def _decode_kernel(
             k_cache_ptr, v_cache_ptr, bt_row, tile * BLOCK_N, offs_n, valid, ctx, kv_head,
             offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
-            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
+            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, q.dtype,
             q_ptr.dtype.element_ty, FP8_ASM, V_T, True)
         acc, m_i, l_i = _softmax_step(q.to(k.dtype), k, v, k_scale, v_scale, acc, m_i, l_i,
-                                      valid[None, :], scale_log2, True, SCALED, DOT_PRECISION)
+                                      valid[None, :], scale_log2, True, FP8, DOT_PRECISION)
 
     _decode_out(acc, m_i, l_i, out_ptr, part_o_ptr, part_lse_ptr, row, split, num_splits,
                 q_start, heads, head_ok, dim_ok, offs_d, stride_ot, stride_oh, stride_od,
@@ -221,7 +221,7 @@ def launch_decode(q, k_cache, v_cache, out, scale_log2: float, meta: AttentionMe
     group = num_q_heads // num_kv_heads
     qsl, ctx, bt = meta.query_start_loc, meta.context_lens, meta.block_tables
     max_context_len = meta.max_context_len
-    flags = cache_flags(k_cache, v_cache, head_dim, q)
+    flags = cache_flags(k_cache, v_cache, q)
     cfg = cfg or default_decode_config(head_dim, q.dtype, fp8=flags["FP8"])
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, max_context_len,

@@ -38,7 +38,7 @@ def _store_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
     V_T: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -47,7 +47,7 @@ def _store_kv_kernel(
         stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
         stride_kcb, stride_kcs, stride_kch, stride_kcd,
         stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T,
+        NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, V_T,
     )
 
 
@@ -59,7 +59,7 @@ def _store_token(
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
     V_T: tl.constexpr, PART: tl.constexpr = 0,
 ):
     # token `tok`'s K/V [heads, head_dim] into its slot (-1: none); PART 1: its K only, 2:
@@ -87,7 +87,7 @@ def _store_token(
             else:
                 k_scale_at = kc + HEAD_DIM * stride_kcd
             _store_fp8(kc, k_scale_at, k, mask, head_mask, offs_h, offs_d, stride_kch,
-                       stride_kcd, HEAD_DIM, SCALED, False)
+                       stride_kcd, HEAD_DIM, False)
         else:
             tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
                      k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -110,16 +110,16 @@ def _store_token(
                     run_at = v_cache_ptr + blk * stride_vcb + first * stride_vcs
                     _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at,
                                  stride_vch, stride_vcd, tok - lead, NUM_HEADS, HEAD_DIM,
-                                 BLOCK_D, SCALED)
+                                 BLOCK_D)
                 heads = tl.where((slot >= 0) & (complete == 0), NUM_HEADS, 0)
                 v_mask = (offs_h[:, None] < heads) & (offs_d[None, :] < HEAD_DIM)
                 if late:
                     v = tl.load(v_at, mask=v_mask)
                 _store_fp8(vc, vc + HEAD_DIM * stride_vcd, v, v_mask, offs_h < heads, offs_h,
-                           offs_d, stride_vch, stride_vcd, HEAD_DIM, SCALED, V_T)
+                           offs_d, stride_vch, stride_vcd, HEAD_DIM, V_T)
             else:
                 _store_fp8(vc, vc + HEAD_DIM * stride_vcd, v, mask, head_mask, offs_h, offs_d,
-                           stride_vch, stride_vcd, HEAD_DIM, SCALED, V_T)
+                           stride_vch, stride_vcd, HEAD_DIM, V_T)
         else:
             tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd,
                      v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -138,7 +138,7 @@ def _rope_store_kernel(
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
     V_T: tl.constexpr = False, PDL: tl.constexpr = False, V_APART: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -164,7 +164,7 @@ def _rope_store_kernel(
                 stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
                 stride_kcb, stride_kcs, stride_kch, stride_kcd,
                 stride_vcb, stride_vcs, stride_vch, stride_vcd,
-                NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, SCALED, V_T,
+                NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, FP8, V_T,
                 part if V_APART else 0,
             )
 
@@ -226,7 +226,7 @@ def store_kv(
 
 def _store_consts(k: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict:
     _, num_heads, head_dim = k.shape
-    flags = cache_flags(k_cache, v_cache, head_dim)
+    flags = cache_flags(k_cache, v_cache)
     return dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                 BLOCK_H=triton.next_power_of_2(num_heads),
                 BLOCK_D=triton.next_power_of_2(head_dim), **flags)
@@ -250,8 +250,8 @@ def _round_e4m3(x):
 
 @triton.jit
 def _store_fp8(cache, scale_at, x, mask, head_mask, offs_h, offs_d, stride_h, stride_d,
-               HEAD_DIM: tl.constexpr, SCALED: tl.constexpr, PLANES: tl.constexpr):
-    # the torch reference's quantize_fp8: float8 e4m3 bytes, then (SCALED) each head's
+               HEAD_DIM: tl.constexpr, PLANES: tl.constexpr):
+    # the torch reference's quantize_fp8: float8 e4m3 bytes, then each head's
     # float32 scale amax / 448 at `scale_at` (head 0's; the 4 bytes after its values, or a
     # K cache's scale plane). In a cache stored
     # transposed (PLANES: an fp8 V cache, worker/kv_cache.py) those 4 bytes are stride_d
@@ -261,17 +261,16 @@ def _store_fp8(cache, scale_at, x, mask, head_mask, offs_h, offs_d, stride_h, st
     x = x.to(tl.float32)
     x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -3.4028234663852886e38),
                    3.4028234663852886e38)
-    if SCALED:
-        scale = tl.maximum(tl.max(tl.abs(tl.where(mask, x, 0.0)), 1), 1e-12) / FP8_MAX
-        x = x / scale[:, None]
-        if PLANES:
-            bits = scale.to(tl.int32, bitcast=True)
-            for j in tl.static_range(4):
-                tl.store(cache + offs_h * stride_h + (HEAD_DIM + j) * stride_d,
-                         ((bits >> (8 * j)) & 0xFF).to(tl.uint8), mask=head_mask)
-        else:
-            scale_ptr = (scale_at + offs_h * stride_h).to(tl.pointer_type(tl.float32))
-            tl.store(scale_ptr, scale, mask=head_mask)
+    scale = tl.maximum(tl.max(tl.abs(tl.where(mask, x, 0.0)), 1), 1e-12) / FP8_MAX
+    x = x / scale[:, None]
+    if PLANES:
+        bits = scale.to(tl.int32, bitcast=True)
+        for j in tl.static_range(4):
+            tl.store(cache + offs_h * stride_h + (HEAD_DIM + j) * stride_d,
+                     ((bits >> (8 * j)) & 0xFF).to(tl.uint8), mask=head_mask)
+    else:
+        scale_ptr = (scale_at + offs_h * stride_h).to(tl.pointer_type(tl.float32))
+        tl.store(scale_ptr, scale, mask=head_mask)
     x = _round_e4m3(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
     tl.store(cache + offs_h[:, None] * stride_h + offs_d[None, :] * stride_d,
              x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
@@ -298,19 +297,18 @@ def _complete_run(slot_ptr, tok, slot, num_tokens):
 @triton.jit
 def _store_v_run(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h, stride_d,
                  mine, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, SCALED: tl.constexpr):
+                 BLOCK_D: tl.constexpr):
     # the V of RUN tokens from `lead` into a transposed cache at `run_at` (their first
     # position), heads mine, mine + RUN, ...: per head, _store_fp8 with the run's positions
     # as its rows, a byte apart, so each of a head's rows takes the run's RUN bytes in one store
     for h in range(mine, NUM_HEADS, RUN):
         _store_v_run_head(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h,
-                          stride_d, h, HEAD_DIM, BLOCK_D, SCALED)
+                          stride_d, h, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
 def _store_v_run_head(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stride_h,
-                      stride_d, h, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      SCALED: tl.constexpr):
+                      stride_d, h, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_t = tl.arange(0, RUN)
     offs_d = tl.arange(0, BLOCK_D)
     dim_ok = offs_d[None, :] < HEAD_DIM
@@ -319,4 +317,4 @@ def _store_v_run_head(v_ptr, lead, stride_vt, stride_vh, stride_vd, run_at, stri
                 mask=dim_ok, other=0.0)  # [RUN, D]
     head_at = run_at + h * stride_h
     _store_fp8(head_at, head_at, x, dim_ok, offs_t < RUN, offs_t, offs_d, 1, stride_d,
-               HEAD_DIM, SCALED, True)
+               HEAD_DIM, True)

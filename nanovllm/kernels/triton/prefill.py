@@ -132,7 +132,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     SKIP_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr = False, SCALED: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
+    FP8: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
     V_T: tl.constexpr = False, FRESH: tl.constexpr = False,
 ):
     # FRESH (paged_attention's `fresh`): the row's own positions (prefix ..) come from this
@@ -202,10 +202,10 @@ def _prefill_kernel(
             k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, pos < kv_end, kv_end, kv_head,
             offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
-            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, FP8, SCALED, q.dtype,
+            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, FP8, q.dtype,
             q_ptr.dtype.element_ty, FP8_ASM, V_T, False)
         acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, None,
-                                      scale_log2, False, SCALED, DOT_PRECISION)
+                                      scale_log2, False, FP8, DOT_PRECISION)
     # diagonal tiles: causal mask, and the context end (kv_end <= ctx) for the last one
     for start in range(full_end, kv_end, BLOCK_N):
         pos = start + offs_n
@@ -213,11 +213,11 @@ def _prefill_kernel(
         k, k_scale, v, v_scale = _load_tiles(
             k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, kv_end, kv_head, offs_d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
-            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, SCALED, q.dtype,
+            stride_vd, BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, FP8, q.dtype,
             q_ptr.dtype.element_ty, FP8_ASM, V_T, False)
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         acc, m_i, l_i = _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed,
-                                      scale_log2, True, SCALED, DOT_PRECISION)
+                                      scale_log2, True, FP8, DOT_PRECISION)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_off[:, None] * stride_ot + heads[:, None] * stride_oh
@@ -236,7 +236,7 @@ def launch_prefill(q, k_cache, v_cache, out, scale_log2: float, meta: AttentionM
     num_kv_heads = k_cache.shape[2]
     num_rows = meta.context_lens.shape[0]
     group = num_q_heads // num_kv_heads
-    flags = cache_flags(k_cache, v_cache, head_dim, q)
+    flags = cache_flags(k_cache, v_cache, q)
     # an fp8 cache's tiles with `fresh` too (on the H200 a seed prefill step 0.236 ms against
     # 0.261 with a bf16 cache's, a chunk of 8 x 512 after 1,536 0.291 against 0.396)
     cfg = cfg or default_prefill_config(head_dim, meta.max_query_len, group, q.dtype,

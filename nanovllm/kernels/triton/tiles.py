@@ -70,11 +70,11 @@ def _load_kv_tile(
     stride_b, stride_s, stride_h, stride_d,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
-    FP8: tl.constexpr = False, SCALED: tl.constexpr = False, COMPUTE: tl.constexpr = None,
+    FP8: tl.constexpr = False, COMPUTE: tl.constexpr = None,
     FP8_ASM: tl.constexpr = False,
 ):
     # -> (tile, scale). FP8: the tile's e4m3 values come back as COMPUTE (the query's dtype),
-    # unscaled; when SCALED, `scale` holds each position's float32 scale, which the caller
+    # unscaled, and `scale` holds each position's float32 scale, which the caller
     # applies to the scores (K) and the probabilities (V): [G, N] multiplies instead of
     # [N, D], and the fp8 -> bf16 conversion feeds the dot directly. Otherwise `scale` is
     # unused (and compiled away).
@@ -130,7 +130,7 @@ def _load_kv_tile(
             tile = tl.trans(tile)
     else:
         tile = tl.load(ptrs, mask=mask, other=other)
-    if SCALED:
+    if FP8:
         scale_ptr = (cache_ptr + base + HEAD_DIM * stride_d).to(tl.pointer_type(tl.float32))
         if MASKED:
             scale = tl.load(scale_ptr, mask=valid, other=0.0)
@@ -167,7 +167,7 @@ def _load_block_tile(
     cache_ptr, bt_row_ptr, start, offs_n, valid, end, kv_head, offs_d,
     stride_b, stride_s, stride_h, stride_d,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-    SCALED: tl.constexpr, COMPUTE: tl.constexpr, V_T: tl.constexpr, SKIP: tl.constexpr,
+    COMPUTE: tl.constexpr, V_T: tl.constexpr, SKIP: tl.constexpr,
 ):
     # -> (tile in COMPUTE, scale [N]) of an fp8 cache whose tile of positions
     # start .. start + N - 1 lies in one block: K^T [D, N] from K's head-major rows of
@@ -206,23 +206,20 @@ def _load_block_tile(
     else:
         raw = tl.load(ptrs, mask=dim_ok, other=0)
     tile = tl.trans(raw.to(tl.float8e4nv, bitcast=True).to(COMPUTE))
-    if SCALED:
-        if V_T:  # each position's float32 scale: its 4 bytes in rows HEAD_DIM .. + 3 (a
-            # 128-position tile over 128 threads loads them a byte each: 4 byte loads)
-            bits = _load_masked(base + HEAD_DIM * stride_d, valid, MASKED and SKIP)
-            bits = bits.to(tl.int32)
-            for j in tl.static_range(1, 4):
-                bits = bits | (_load_masked(base + (HEAD_DIM + j) * stride_d, valid,
-                                            MASKED and SKIP).to(tl.int32) << (8 * j))
-            scale = bits.to(tl.float32, bitcast=True)
-        else:  # the block-head's plane of float32 scales after its values
-            first = tl.multiple_of(start % BLOCK_SIZE, offs_n.shape[0])
-            plane = (tile_at + (BLOCK_SIZE - first) * stride_s).to(tl.pointer_type(tl.float32))
-            scale = _load_masked(plane + first + offs_n, valid, MASKED and SKIP)
-        if MASKED:
-            scale = tl.where(valid, scale, 0.0)
-    else:
-        scale = offs_n.to(tl.float32)
+    if V_T:  # each position's float32 scale: its 4 bytes in rows HEAD_DIM .. + 3 (a
+        # 128-position tile over 128 threads loads them a byte each: 4 byte loads)
+        bits = _load_masked(base + HEAD_DIM * stride_d, valid, MASKED and SKIP)
+        bits = bits.to(tl.int32)
+        for j in tl.static_range(1, 4):
+            bits = bits | (_load_masked(base + (HEAD_DIM + j) * stride_d, valid,
+                                        MASKED and SKIP).to(tl.int32) << (8 * j))
+        scale = bits.to(tl.float32, bitcast=True)
+    else:  # the block-head's plane of float32 scales after its values
+        first = tl.multiple_of(start % BLOCK_SIZE, offs_n.shape[0])
+        plane = (tile_at + (BLOCK_SIZE - first) * stride_s).to(tl.pointer_type(tl.float32))
+        scale = _load_masked(plane + first + offs_n, valid, MASKED and SKIP)
+    if MASKED:
+        scale = tl.where(valid, scale, 0.0)
     return tile, scale
 
 
@@ -231,29 +228,29 @@ def _load_tiles(
     k_cache_ptr, v_cache_ptr, bt_row, start, offs_n, valid, end, kv_head, offs_d,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    MASKED: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr, COMPUTE: tl.constexpr,
+    MASKED: tl.constexpr, FP8: tl.constexpr, COMPUTE: tl.constexpr,
     Q_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr, V_T: tl.constexpr, SKIP: tl.constexpr,
 ):
     # -> (K^T [D, N], its scales, V [N, D], its scales) of the tile of positions start + offs_n
     if V_T:  # an fp8 cache, V transposed: each tile in one block (see _load_block_tile)
         k, k_scale = _load_block_tile(k_cache_ptr, bt_row, start, offs_n, valid, end, kv_head,
                                       offs_d, stride_kb, stride_ks, stride_kh, stride_kd,
-                                      BLOCK_SIZE, HEAD_DIM, MASKED, SCALED, COMPUTE, False,
+                                      BLOCK_SIZE, HEAD_DIM, MASKED, COMPUTE, False,
                                       SKIP)
         v, v_scale = _load_block_tile(v_cache_ptr, bt_row, start, offs_n, valid, end, kv_head,
                                       offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
-                                      BLOCK_SIZE, HEAD_DIM, MASKED, SCALED, COMPUTE, True,
+                                      BLOCK_SIZE, HEAD_DIM, MASKED, COMPUTE, True,
                                       SKIP)
     else:
         pos = start + offs_n
         k, k_scale = _load_kv_tile(k_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
                                    stride_kb, stride_ks, stride_kh, stride_kd,
                                    BLOCK_SIZE, HEAD_DIM, BLOCK_D, MASKED, True,
-                                   FP8, SCALED, Q_DTYPE, FP8_ASM)
+                                   FP8, Q_DTYPE, FP8_ASM)
         v, v_scale = _load_kv_tile(v_cache_ptr, bt_row, pos, valid, kv_head, offs_d,
                                    stride_vb, stride_vs, stride_vh, stride_vd,
                                    BLOCK_SIZE, HEAD_DIM, BLOCK_D, MASKED, False,
-                                   FP8, SCALED, Q_DTYPE, FP8_ASM)
+                                   FP8, Q_DTYPE, FP8_ASM)
     return k, k_scale, v, v_scale
 
 
@@ -274,16 +271,16 @@ def _online_softmax(s, m_i, l_i):
 
 @triton.jit
 def _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed, scale_log2,
-                  MASKED: tl.constexpr, SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  MASKED: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # scores in the log2 domain: exp2(s * scale * log2e) == exp(s * scale)
-    if SCALED:  # per-position scales of an fp8 cache (see _load_kv_tile)
+    if FP8:  # per-position scales of an fp8 cache (see _load_kv_tile)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
     else:
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         s = tl.where(allowed, s, float("-inf"))
     m_new, alpha, p, l_i = _online_softmax(s, m_i, l_i)
-    if SCALED:
+    if FP8:
         pv = (p * v_scale[None, :]).to(v.dtype)
     else:
         pv = p.to(v.dtype)
@@ -291,18 +288,17 @@ def _softmax_step(q, k, v, k_scale, v_scale, acc, m_i, l_i, allowed, scale_log2,
     return acc, m_new, l_i
 
 
-def cache_flags(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
-               q: torch.Tensor | None = None) -> dict:
-    """The cache format's kernel flags. A cache of bytes holds float8 e4m3
-    (kv_cache_dtype="fp8"); one wider than head_dim holds each token-head's float32 scale
-    after its values (torch_attention's format); V_T: the V cache is stored transposed
+def cache_flags(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                q: torch.Tensor | None = None) -> dict:
+    """The cache format's kernel flags. FP8: a cache of bytes holds float8 e4m3
+    (kv_cache_dtype="fp8"), each token-head's float32 scale after its values
+    (torch_attention's format); V_T: the V cache is stored transposed
     within each block (worker/kv_cache.py), and then the K cache keeps each block-head's
     scales in a plane after its values (torch_attention.k_scale_plane). With the attention's
     query `q`: FP8_ASM, whether the tiles are converted by PTX into float16 and the dots run
     in float16 (a bf16/fp16 query on a GPU; see _load_kv_tile)."""
     fp8 = k_cache.dtype == torch.uint8
-    flags = dict(FP8=fp8, SCALED=fp8 and k_cache.shape[-1] > head_dim,
-                 V_T=v_transposed(v_cache))
+    flags = dict(FP8=fp8, V_T=v_transposed(v_cache))
     if flags["V_T"] != k_scale_plane(k_cache):
         raise ValueError("a V cache stored transposed goes with a K cache with a scale plane")
     if q is not None:
