@@ -7,7 +7,7 @@ from nanovllm import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama) -> LLM:
-    return LLM(str(tiny_llama), device="cpu", block_size=4)
+    return LLM(str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=64)
 
 
 def test_n_completions(llm):
