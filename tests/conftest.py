@@ -9,6 +9,8 @@
   `chromium` on PATH this hook skips it.
 - Tiny random models in Hugging Face layout (tests/support.py) and transformers' model of
   each, the reference of every engine test.
+- The real default model, dense (float32), loaded once for every test file that holds it
+  against a reference.
 """
 
 import os
@@ -106,3 +108,13 @@ def greedy_reference(hf_tiny_model) -> Callable[[list[int], int], list[int]]:
         return cache[key]
 
     return reference
+
+
+@pytest.fixture(scope="session")
+def default_dense():
+    """The real default model (SmolLM2-135M-Instruct) with its weights dequantized to float32
+    (weight_format="dense"), on a small KV cache: the CPU default's 2 GiB takes seconds to
+    allocate, and no test of it is about the cache's size."""
+    from nanovllm import LLM
+
+    return LLM(max_num_seqs=8, max_model_len=1024, weight_format="dense", kv_cache_gib=0.1)

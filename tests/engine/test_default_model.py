@@ -22,8 +22,8 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(max_num_seqs=8, max_model_len=1024, weight_format="dense")
+def llm(default_dense) -> LLM:
+    return default_dense
 
 
 @pytest.fixture(scope="module")
@@ -37,28 +37,42 @@ def chat_ids(llm) -> list[list[int]]:
     return [llm.engine.render_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
 
 
-def test_greedy_matches_transformers(llm, hf_model, chat_ids):
-    outs = llm.generate(
-        chat_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
-    )
-    for ids, out in zip(chat_ids, outs):
+@pytest.fixture(scope="module")
+def dense_outs(llm, chat_ids) -> list:
+    """The dense engine's greedy replies to the questions."""
+    return llm.generate(chat_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                        use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(hf_model, chat_ids, dense_outs) -> list[torch.Tensor]:
+    """transformers' log next-token distributions (float64) after every prefix of each
+    question + dense reply, bar the whole: one forward pass over each."""
+    refs = []
+    for chat, out in zip(chat_ids, dense_outs):
         with torch.no_grad():
-            ref = hf_model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids)),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-            )
-        assert out.token_ids == ref[0, len(ids) :].tolist()
-    assert "Paris" in outs[0].text
+            logits = hf_model(torch.tensor([chat + out.token_ids[:-1]])).logits[0]
+        refs.append(torch.log_softmax(logits.double(), -1))
+    return refs
 
 
-def test_logprobs_match_transformers(llm, hf_model, chat_ids):
+def test_greedy_matches_transformers(chat_ids, dense_outs, hf_model, hf_logprobs):
+    """Each reply is transformers' greedy decoding: its argmax after the question and every
+    token before it, stopping where transformers' generation stops (an EOS, or MAX_TOKENS)."""
+    eos = hf_model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    for chat, out, ref in zip(chat_ids, dense_outs, hf_logprobs):
+        assert out.token_ids == ref[len(chat) - 1 :].argmax(-1).tolist()
+        assert not eos & set(out.token_ids[:-1])
+        assert len(out.token_ids) == MAX_TOKENS or out.token_ids[-1] in eos
+    assert "Paris" in dense_outs[0].text
+
+
+def test_logprobs_match_transformers(llm, chat_ids, hf_logprobs):
     out = llm.generate(
         [chat_ids[0]], SamplingParams(temperature=0, max_tokens=1, logprobs=3), use_tqdm=False
     )[0]
-    with torch.no_grad():
-        ref = torch.log_softmax(hf_model(torch.tensor([chat_ids[0]])).logits[0, -1], -1)
+    ref = hf_logprobs[0][len(chat_ids[0]) - 1]
     lps = out.outputs[0].logprobs[0]
     top = torch.topk(ref, 3)
     assert list(lps)[0] == out.token_ids[0] == int(top.indices[0])
@@ -74,10 +88,8 @@ def test_seeded_sampling_is_reproducible(llm, chat_ids):
     assert alone == mixed
 
 
-def test_stop_strings(llm, chat_ids):
-    full = llm.generate(
-        [chat_ids[0]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
-    )[0]
+def test_stop_strings(llm, chat_ids, dense_outs):
+    full = dense_outs[0]
     assert "Paris" in full.text
     cut = llm.generate(
         [chat_ids[0]],
@@ -125,18 +137,15 @@ def test_chat_contents_cannot_forge_a_turn(llm):
 MAX_PACKED_MEAN_KL = 5e-3
 
 
-def test_packed_weights_stay_within_the_stated_kl(llm, hf_model, chat_ids):
+def test_packed_weights_stay_within_the_stated_kl(llm, chat_ids, dense_outs, hf_logprobs):
     packed = LLM(max_num_seqs=8, max_model_len=1024)
     assert packed.engine.config.weight_format == "int4-bf16"
-    dense_outs = llm.generate(chat_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
-                              use_tqdm=False)
     kls = []
-    for chat, out in zip(chat_ids, dense_outs):
+    for chat, out, ref in zip(chat_ids, dense_outs, hf_logprobs):
         ids = chat + out.token_ids
-        with torch.no_grad():
-            ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), -1)
         steps = slice(len(chat) - 1, len(ids) - 1)
+        ref = ref[steps]
         ours = engine_logprobs(packed, ids)[steps]
-        kls.append((ref[steps].exp() * (ref[steps] - ours)).sum(-1))
-        assert engine_logprobs(llm, ids)[steps].sub(ref[steps]).abs().max() < 1e-3  # dense
+        kls.append((ref.exp() * (ref - ours)).sum(-1))
+        assert engine_logprobs(llm, ids)[steps].sub(ref).abs().max() < 1e-3  # dense
     assert torch.cat(kls).mean() < MAX_PACKED_MEAN_KL
