@@ -101,13 +101,13 @@ def test_fp8_swap_round_trip_changes_nothing(tiny_llama):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.config.num_kv_blocks
 
 
-def test_fp8_on_the_default_model_stays_close():
+def test_fp8_on_the_default_model_stays_close(default_dense):
     """Teacher-forced next-token distributions of the default model (float32) with an fp8
     cache against its float32 cache: mean KL under 2e-2 nats per token (the benchmark
     measures 6e-3 against a bf16 cache, BENCHMARKS.md). The generated tokens are scored by
     decode steps: a prefill reads its own positions unrounded (Kernels.fresh_prefill), so
     it would say nothing of the cache."""
-    base = LLM(weight_format="dense", max_model_len=512, kv_cache_gib=0.1)
+    base = default_dense
     fp8 = LLM(weight_format="dense", max_model_len=512, kv_cache_gib=0.1, kv_cache_dtype="fp8")
     chat = base.engine.render_chat([{"role": "user", "content": "How does a rainbow form?"}])
     ids = chat + base.generate([chat], SamplingParams(temperature=0, max_tokens=32),
