@@ -13,7 +13,9 @@ triton_ops = triton_module("nanovllm.kernels.triton.ops")
 triton_attention = triton_module("nanovllm.kernels.triton.attention")
 
 GREEDY = greedy(5)
-ENGINE = dict(device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+# a cache of 64 blocks: the CPU default at block_size 4 is a million, seconds to set up
+ENGINE = dict(device="cpu", block_size=4, num_kv_blocks=64, max_num_seqs=4,
+              max_num_batched_tokens=64)
 
 
 def counting(monkeypatch, module, name: str) -> list[int]:
