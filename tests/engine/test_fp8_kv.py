@@ -131,7 +131,9 @@ def test_triton_engine_on_fp8_equals_the_torch_one(tiny_llama, triton_device, bl
     reference index the cache by its strides. Shared prefixes are cached and prompts come
     in chunks, so prefill rows read their own positions from the step's K/V and the earlier
     ones from the cache."""
-    prompts = make_prompts(seed=4, count=4, shared_prefix=20)
+    # two prompts (32 and 44 tokens) in chunks of 24: the second one's prefix hits the
+    # first's blocks of 8, and its chunks share steps with the first one's decodes
+    prompts = make_prompts(seed=4, count=2, shared_prefix=20)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     outs = {}
     for backend in ("torch", "triton"):
@@ -145,6 +147,7 @@ def test_triton_engine_on_fp8_equals_the_torch_one(tiny_llama, triton_device, bl
         assert k.stride(1) == (head_dim if plane else k.shape[-1] * k.shape[2])
         assert ta.k_scale_plane(k) == plane
         outs[backend] = llm.generate(prompts, params, use_tqdm=False)
+        assert outs[backend][1].num_cached_tokens == (16 if block_size == 8 else 0)
     for a, b in zip(outs["torch"], outs["triton"]):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
