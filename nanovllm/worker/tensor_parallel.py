@@ -88,7 +88,7 @@ class Peers:
             with self.busy_section():
                 join(rdv)
         except BaseException:
-            self._stop_procs()
+            self._stop_procs(told=False)  # the group never formed: no rank was told to leave
             raise
         self.control_group = dist.group.WORLD
         self._header = torch.zeros(HEADER_LEN, dtype=torch.int64)
@@ -231,25 +231,29 @@ class Peers:
         if self._closing:
             return
         self._closing = True
-        if self.dead is None:
+        told = self.dead is None
+        if told:
             try:
                 self._broadcast_control(Shutdown())
             except RuntimeError:
-                pass  # a rank is gone already
+                told = False  # a rank is gone already
         leave_group()  # while the other ranks leave theirs: NCCL's teardown meets them
-        self._stop_procs()
+        self._stop_procs(told)
 
-    def _stop_procs(self) -> None:
+    def _stop_procs(self, told: bool = True) -> None:
         """Wait for the ranks this process started, then close their pipe (EOF ends any
-        that lingers)."""
+        that lingers). Ranks not `told` to leave (the group never formed, or is out of step)
+        could only wait: their pipe closes first."""
         self._closing = True
+        if self.procs and not told:
+            os.close(self._alive)
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if self.procs:
+        if self.procs and told:
             os.close(self._alive)
         self.procs = []
 

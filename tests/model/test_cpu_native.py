@@ -197,7 +197,7 @@ def test_a_cpu_engine_runs_them_by_default_and_says_when_it_cannot(monkeypatch, 
 
 def test_engine_with_native_kernels_matches_transformers(tiny_model, hf_tiny_model):
     # a mixed prefill + decode batch (3 prompts, a small step budget), then decode steps
-    llm = LLM(str(tiny_model), device="cpu", block_size=4, max_num_seqs=4,
+    llm = LLM(str(tiny_model), device="cpu", block_size=4, num_kv_blocks=64, max_num_seqs=4,
               max_num_batched_tokens=16)
     assert "kernels=native attention=native" in llm.engine.config.summary()
     prompts = make_prompts(seed=5, count=3)

@@ -150,7 +150,8 @@ def small_linear_calls(monkeypatch):
     select_kernels.cache_clear()
 
 
-ENGINE = dict(device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+ENGINE = dict(device="cpu", block_size=4, num_kv_blocks=64, max_num_seqs=4,
+              max_num_batched_tokens=64,
               fused_kernels=True, attention_backend="triton")
 
 

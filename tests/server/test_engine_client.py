@@ -20,7 +20,8 @@ from nanovllm.entrypoints.openai.engine_client import (
 )
 from nanovllm.entrypoints.openai.errors import api_error
 
-ENGINE = dict(device="cpu", block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+ENGINE = dict(device="cpu", block_size=4, num_kv_blocks=256, max_num_seqs=8,
+              max_num_batched_tokens=64)
 LOOPS = [
     "asyncio",
     pytest.param(

@@ -2,7 +2,6 @@
 test_browser.py opens the page in Chromium)."""
 
 import re
-import time
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
@@ -195,10 +194,7 @@ def large_trace(tmp_path_factory) -> tuple[dict, list[dict]]:
 def test_large_trace_page_stays_small(large_trace: tuple[dict, list[dict]]) -> None:
     header, steps = large_trace
     assert len(steps) == 20_000
-    began = time.perf_counter()
     page = render_html(header, steps)
-    took = time.perf_counter() - began
-    assert took < 60, f"{took:.1f} s"  # about half a second on 2 slow cores: a guard only
     assert len(page.encode()) < 5_000_000
     assert page.count('class="lane"') == 2000
     assert len(re.findall(r'<rect class="hov"', page)) <= MAX_POINTS
