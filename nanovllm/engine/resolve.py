@@ -52,6 +52,7 @@ def resolve_config(
                           f"[1, max_num_seqs={max_num_seqs}]")
     block_size = _block_size(config, attention, cuda)
     kernels = _kernels(config, cuda, native)
+    _check_tensor_parallel(config.tensor_parallel_size, device, model)
     return ResolvedConfig(
         asked=config,
         device=device,
@@ -73,8 +74,7 @@ def resolve_config(
         if config.swap_space is None else config.swap_space,
         # split-K partials are summed by the Triton residual-add RMSNorm; under tensor
         # parallelism o_proj and down_proj are all-reduced, which needs their whole output
-        split_k=kernels == "triton" and _tensor_parallel(config.tensor_parallel_size, device,
-                                                         model) == 1,
+        split_k=kernels == "triton" and config.tensor_parallel_size == 1,
     )
 
 
@@ -233,7 +233,7 @@ def _step_limits(config: EngineConfig, cuda: bool) -> tuple[int, int]:
     return seqs, tokens
 
 
-def _tensor_parallel(size: int, device: str, model: ModelConfig) -> int:
+def _check_tensor_parallel(size: int, device: str, model: ModelConfig) -> None:
     """The model must split evenly; one GPU per rank: on a GPU machine the local ranks need
     that many (a launcher that sets WORLD_SIZE places ranks itself, possibly over several
     hosts)."""
@@ -246,7 +246,6 @@ def _tensor_parallel(size: int, device: str, model: ModelConfig) -> int:
                 f"tensor_parallel_size={size} needs {size} GPUs, one per rank; this machine "
                 f"has {have}: use at most {have}, or device='cpu'"
             )
-    return size
 
 
 def _threads(config: EngineConfig, device: str) -> int | None:

@@ -180,9 +180,9 @@ class InputBuffers:
             live = {seq.seq_id for seq in seqs}
             self._tables = {k: v for k, v in self._tables.items() if k in live}
         t, s, p = len(input_ids), len(logits_indices), len(ph_pos)
-        pad = extra = padded - r  # padding rows: one token each
-        if t + extra > T or padded > R:
-            raise ValueError(f"a step of {t + extra} tokens / {padded} rows exceeds the buffers")
+        pad = padded - r  # padding rows: one token each
+        if t + pad > T or padded > R:
+            raise ValueError(f"a step of {t + pad} tokens / {padded} rows exceeds the buffers")
         h64[:t] = input_ids
         h64[T : T + t] = positions
         h64[2 * T : 2 * T + t] = slots
@@ -195,9 +195,9 @@ class InputBuffers:
         if temperatures is not None:
             h32[2 * R + 1 : 2 * R + 1 + s].view(np.float32)[:] = temperatures
         if pad:
-            h64[t : t + extra] = 0
-            h64[T + t : T + t + extra] = 0
-            h64[2 * T + t : 2 * T + t + extra] = -1
+            h64[t : t + pad] = 0
+            h64[T + t : T + t + pad] = 0
+            h64[2 * T + t : 2 * T + t + pad] = -1
             h32[R + 1 + r : R + 1 + padded] = 0
         max_query_len = max(query_lens)
         if max_query_len == 1:
@@ -215,7 +215,7 @@ class InputBuffers:
             event = self.events[k] or torch.cuda.Event()
             event.record()
             self.events[k] = event
-        return self.received(t + extra, s, padded, max_query_len, max(context_lens),
+        return self.received(t + pad, s, padded, max_query_len, max(context_lens),
                              query_lens + [1] * pad, context_lens + [0] * pad, p, ph_seq,
                              temperatures is not None)
 
