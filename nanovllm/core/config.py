@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 from nanovllm.core.errors import ConfigError
 
 POLICIES = ("fair", "prefill_first")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # engine/reasoning.py
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # engine/tool_calls.py
 
 
 def option(default, help: str, *, choices: tuple = (), flags: tuple = (), metavar: str = ""):
@@ -116,6 +118,15 @@ class EngineConfig:
         metavar="ADDRESS")
     kv_events_topic: str = option("", "the ZMQ topic of those events (default: empty)",
                                   metavar="TOPIC")
+    reasoning_parser: str | None = option(
+        None, "split a reasoning model's <think>...</think> from its answer into "
+        "reasoning_content; structured output and tool calls then constrain the answer only "
+        "(qwen3: Qwen3 and its kin; deepseek_r1: templates that open <think> in the prompt; "
+        "default: off, the reasoning stays in the text)", choices=REASONING_PARSERS)
+    tool_call_parser: str = option(
+        "auto", "how the model writes tool calls, for tool_choice auto (hermes: "
+        "<tool_call>{json}</tool_call>, as Qwen2.5 and Qwen3 write them; llama3_json: Llama "
+        "3's bare JSON); auto: read from the chat template", choices=TOOL_CALL_PARSERS)
     tensor_parallel_size: int = option(
         1, "shard the model over N ranks, one process each: GPUs, or CPU processes; under "
         "torchrun or Slurm (WORLD_SIZE set) the other ranks run `nanovllm worker`",
@@ -136,7 +147,8 @@ class EngineConfig:
 
         for f in fields(self):
             choices = f.metadata["choices"]
-            if choices and getattr(self, f.name) not in choices:
+            value = getattr(self, f.name)
+            if choices and value not in choices and not (value is None and f.default is None):
                 bad(f.name, f"choose one of {', '.join(choices)}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
                      "max_model_len"):

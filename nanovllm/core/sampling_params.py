@@ -1,3 +1,4 @@
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -12,6 +13,89 @@ _FLOAT_PARAMS = (
     "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty",
 )
+
+
+# a constraint is compiled before its request is queued: its source is bounded, as is the
+# grammar engine's work on it (engine/structured_output.py)
+MAX_CONSTRAINT_CHARS = 64 * 1024
+MAX_CHOICES = 1024
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's names): set exactly one of `json` (a JSON
+    schema, as a dict or its text), `json_object=True` (any JSON object), `regex`, `choice`
+    (the output is one of these strings) or `grammar` (a Lark grammar, llguidance's dialect;
+    GBNF is accepted too). The output ends with finish_reason "stop" once the constraint
+    is complete and allows no more tokens. `disable_any_whitespace`: JSON without
+    whitespace between tokens."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    # the field a front end names in its errors (e.g. "response_format")
+    param: str = field(default="structured_outputs", repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise InvalidRequestError(f"{self.param}.{name} is invalid: {why}",
+                                      param=f"{self.param}.{name}")
+
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"{self.param}: set exactly one of {', '.join(_KINDS)} (got "
+                f"{', '.join(given) or 'none'})", param=self.param)
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    bad("json", f"the schema is not valid JSON ({e})")
+            if not isinstance(value, dict | bool):
+                bad("json", "use a JSON schema object")
+        elif kind == "json_object":
+            if value is not True:
+                bad("json_object", "use true")
+        elif kind == "choice":
+            if (not isinstance(value, list | tuple) or not value
+                    or not all(isinstance(c, str) and c for c in value)):
+                bad("choice", "use a non-empty list of non-empty strings")
+            if len(value) > MAX_CHOICES:
+                bad("choice", f"use at most {MAX_CHOICES} choices, not {len(value)}")
+        elif not isinstance(value, str) or not value:
+            bad(kind, "use a non-empty string")
+        if len(self.key[1]) > MAX_CONSTRAINT_CHARS:
+            bad(kind, f"it is {len(self.key[1])} characters; use at most "
+                f"{MAX_CONSTRAINT_CHARS}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): what compiled constraints are cached by."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            value = json.loads(value) if isinstance(value, str) else value
+            text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        elif kind == "choice":
+            text = json.dumps(list(value))
+        elif kind == "json_object":
+            text = ""
+        else:
+            text = value
+        if self.disable_any_whitespace:
+            kind += "/compact"
+        return kind, text
 
 
 @dataclass
@@ -41,9 +125,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     stop_list: list[str] = field(init=False, repr=False)
     # temperature (or greedy) alone decides the token: no filters, seeds, penalties,
-    # min_tokens or logprobs (the GPU then samples in one pass; set at construction)
+    # min_tokens or logprobs (the GPU then samples in one pass, after any structured-output
+    # mask; set at construction)
     plain: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -115,6 +201,9 @@ class SamplingParams:
             bad("frequency_penalty", "use a value in [-2, 2]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             bad("logprobs", "use a non-negative integer (top-N logprobs per token)")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "use a StructuredOutputsParams")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "use an integer")
         if any(not isinstance(s, str) or not s for s in self.stop_list):

@@ -19,8 +19,10 @@ from nanovllm.core.validation import as_token_ids, check_prompt
 from nanovllm.engine.messages import DeltaRow
 from nanovllm.engine.output_processor import OutputProcessor, Request
 from nanovllm.engine.outputs import RequestOutput
+from nanovllm.engine.reasoning import ReasoningParser
 from nanovllm.engine.resolve import fit_kv_cache, resolve_config
 from nanovllm.engine.step_times import StepTimes
+from nanovllm.engine.structured_output import Grammars, StructuredOutputs
 from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.model.config import ModelConfig
 from nanovllm.model.loader.source import open_model
@@ -95,6 +97,9 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg, self.block_manager, self.eos_token_ids,
                                    self.runner.preemption_cost)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
+        self.reasoning = (ReasoningParser(config.reasoning_parser)
+                          if config.reasoning_parser else None)
+        self._structured: StructuredOutputs | None = None  # built for the first constraint
         self.requests: dict[str, Request] = {}
         self._owner: dict[int, tuple[Request, int]] = {}  # seq id -> (request, completion index)
         self._seq_counter = itertools.count()
@@ -173,6 +178,9 @@ class LLMEngine:
         request_id = request_id or str(next(self._req_counter))
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        constraint = params.structured_outputs
+        if constraint is not None:  # compiled before anything is queued: errors lose nothing
+            matchers = [self.structured.compile(constraint) for _ in range(params.n)]
         now = time.monotonic()
         seqs = []
         for i in range(params.n):  # completion i of a seeded request draws with seed + i
@@ -185,10 +193,30 @@ class LLMEngine:
         self.requests[request_id] = req
         for i, seq in enumerate(seqs):
             self._owner[seq.seq_id] = (req, i)
+            if constraint is not None:
+                self.structured.add(seq, matchers[i])
             self.scheduler.add(seq)
             if self.trace:
                 self.trace.arrived(request_id, seq)
         return request_id
+
+    @property
+    def structured(self) -> StructuredOutputs:
+        """The running sequences' structured-output constraints (the grammar engine loads
+        on the first request that has one)."""
+        if self._structured is None:
+            end = None
+            if self.reasoning is not None:
+                end = self.tokenizer.backend.token_to_id(self.reasoning.end)
+                if end is None:
+                    raise ConfigError(
+                        f"reasoning_parser={self.reasoning.kind}: this tokenizer has no "
+                        f"{self.reasoning.end} token, so structured output cannot tell where "
+                        "the answer starts; start the engine without a reasoning parser")
+            grammars = Grammars(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
+                                self.eos_token_ids)
+            self._structured = StructuredOutputs(grammars, end)
+        return self._structured
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a request now and free its KV blocks; False if it is unknown or already done."""
@@ -207,6 +235,8 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
                 self.outputs.on_finish(req, i, seq)
             self._owner.pop(seq.seq_id, None)
+            if self._structured is not None:
+                self._structured.drop(seq.seq_id)
         return self.outputs.output(req)
 
     def has_unfinished_requests(self) -> bool:
@@ -241,8 +271,13 @@ class LLMEngine:
             self.runner.copy_blocks(batch)  # every row ended: the copies still must run
         if batch:
             self._count(batch)
+            masks = None
+            if self._structured is not None and self._structured.constrains(batch.sampling_seqs):
+                masks = self._masks(batch, prev)  # resolves `prev` before the bitmask
             with self.times("launch"):
-                handle = self.runner.launch(batch, prev)
+                handle = self.runner.launch(batch, prev, masks)
+            if masks is not None:
+                prev = None
         if prev is not None:
             self._resolve(prev)  # the previous step's tokens, while this one runs
         if batch:
@@ -259,6 +294,18 @@ class LLMEngine:
         if self.kv_events:
             self.kv_events.publish(self.block_manager.take_cache_events())
         return outputs
+
+    def _masks(self, batch: ScheduledBatch, prev: StepHandle | None) -> Callable:
+        """What the runner calls once the step's forward pass is queued: the previous step's
+        tokens resolved (each advances its constraint), then the rows' bitmask for sampling,
+        filled on the host while the device runs the forward pass."""
+        def fill():
+            if prev is not None:
+                self._resolve(prev)
+            with self.times("grammar"):
+                return self._structured.bitmask(batch.sampling_seqs)
+
+        return fill
 
     def _can_overlap(self, batch: ScheduledBatch) -> bool:
         return self.overlap and not any(
@@ -278,7 +325,12 @@ class LLMEngine:
             out = self.runner.collect(handle)
         with self.times("postprocess"):
             self.num_generated_tokens += len(out.token_ids)
+            structured = self._structured
             for seq in self.scheduler.resolve(handle.seqs, out.token_ids, out.logprobs):
+                if structured is not None:  # a complete or failed constraint ends it
+                    reason = structured.accept(seq, seq.token_ids[-1])
+                    if reason is not None and not seq.is_finished:
+                        self.scheduler.finish(seq, reason)
                 owner = self._owner.get(seq.seq_id)
                 if owner is not None:
                     self.outputs.on_token(*owner, seq)
@@ -303,3 +355,5 @@ class LLMEngine:
         del self.requests[req.request_id]
         for seq in req.seqs:
             del self._owner[seq.seq_id]
+            if self._structured is not None:
+                self._structured.drop(seq.seq_id)

@@ -16,10 +16,12 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
+from nanovllm.core.config import TOOL_CALL_PARSERS as CONFIG_PARSERS
 from nanovllm.core.errors import InvalidRequestError
 
 MAX_TOOLS = 128  # OpenAI's limit
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+# the formats a model writes its calls in (core/config.py's tool_call_parser, less "auto")
+TOOL_CALL_PARSERS = tuple(p for p in CONFIG_PARSERS if p != "auto")
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _NAME_RULE = "a non-empty string of letters, digits, _ and - (at most 64)"

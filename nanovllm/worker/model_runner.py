@@ -10,8 +10,10 @@ kernels), asked how many KV blocks fit (`measure_kv_blocks`), `setup` with the f
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanovllm.core.config import ResolvedConfig
@@ -202,12 +204,17 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
+    def launch(
+        self, batch: ScheduledBatch, prev: StepHandle | None = None,
+        before_sampling: Callable[[], np.ndarray | None] | None = None,
+    ) -> StepHandle:
         """Queue one forward pass and sampling; tokens of `prev` still on the device are
-        read there (CPU/GPU overlap). The batch's KV copies run first."""
+        read there (CPU/GPU overlap). The batch's KV copies run first. `before_sampling`
+        runs on the host once the forward pass is queued, while the device computes it; it
+        returns the rows' structured-output bitmask (or None) that sampling applies."""
         if self.peers is None:
-            return self._launch(batch, prev)
-        return self._in_step(lambda: self._launch(batch, prev))
+            return self._launch(batch, prev, before_sampling)
+        return self._in_step(lambda: self._launch(batch, prev, before_sampling))
 
     def _in_step(self, fn):
         """Rank 0's side of a call every rank makes together (a step, start-up's sizing and
@@ -222,7 +229,8 @@ class ModelRunner:
                 raise
             raise failure from e
 
-    def _launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
+    def _launch(self, batch: ScheduledBatch, prev: StepHandle | None,
+                before_sampling: Callable[[], np.ndarray | None] | None) -> StepHandle:
         if self.cpu_threads is not None:
             self.cpu_threads.update()
         seqs = batch.sampling_seqs
@@ -237,9 +245,11 @@ class ModelRunner:
             self.peers.send_step(inputs, self.buffers, batch.copies_out, batch.copies_in)
         self._copy_blocks(batch.copies_out, batch.copies_in)
         logits = self.logits(inputs)
+        bitmask = before_sampling() if before_sampling is not None else None
         if not seqs:
             return StepHandle([], {}, None, None, None)
-        return self._handle(seqs, self.sampler.sample(logits, seqs, inputs.temperatures))
+        return self._handle(seqs, self.sampler.sample(logits, seqs, inputs.temperatures,
+                                                      bitmask))
 
     @torch.inference_mode()
     def run_step(self, inputs: StepInputs | None, copies_out, copies_in) -> None:

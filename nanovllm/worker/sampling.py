@@ -14,6 +14,7 @@ from nanovllm.model.layers.sampler import (
     MIN_TEMPERATURE,
     SamplerOutput,
     SamplingTensors,
+    apply_bitmask,
     sample,
 )
 
@@ -45,11 +46,16 @@ class StepSampler:
         return None if self.one_pass is None else plain_temperatures(seqs)
 
     def sample(
-        self, logits: torch.Tensor, seqs: list[Seq], temperatures: torch.Tensor | None = None
+        self, logits: torch.Tensor, seqs: list[Seq], temperatures: torch.Tensor | None = None,
+        bitmask: np.ndarray | None = None,
     ) -> SamplerOutput:
         """Tokens for `seqs` (one per row of `logits`); `temperatures` on the device when
-        `one_pass_temperatures` said yes."""
+        `one_pass_temperatures` said yes; `bitmask`: the rows' allowed tokens under their
+        structured-output constraints (engine/structured_output.py)."""
+        allowed = None if bitmask is None else to_device(bitmask, torch.int32, self.device)
         if temperatures is not None:
+            if allowed is not None:
+                logits = apply_bitmask(logits, allowed)
             return SamplerOutput(self.one_pass(logits, temperatures, MIN_TEMPERATURE), None)
         params = [s.sampling_params for s in seqs]
         if any(p.uses_penalties for p in params):
@@ -61,6 +67,7 @@ class StepSampler:
         tensors = build_sampling_tensors(
             params, prompts, outputs, self.eos_token_ids, logits.shape[-1], self.device
         )
+        tensors.allowed = allowed
         return sample(logits, tensors, self.one_pass)
 
 
@@ -94,6 +101,8 @@ def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     which keeps a buffer until its copy has run) is truly asynchronous.
     """
     if device.type != "cuda":
+        if isinstance(data, np.ndarray):
+            return torch.from_numpy(data).to(dtype)
         return torch.tensor(data, dtype=dtype, device=device)
     if isinstance(data, np.ndarray):
         host = torch.from_numpy(data).to(dtype).pin_memory()

@@ -17,7 +17,9 @@ class SamplingTensors:
     the output token being sampled, so a seeded row draws the same randomness for
     (seed, offset) whatever the batch looks like or however often it was preempted.
     The penalty fields are all None when no row uses penalties. `min_tokens_mask` is
-    an index pair (rows, token_ids) of logits forced to -inf, None when empty.
+    an index pair (rows, token_ids) of logits forced to -inf, None when empty. `allowed`
+    is a structured-output bitmask (engine/structured_output.py): tokens whose bit is
+    clear are forced to -inf.
     `seeded_rows` lists the random rows with a seed, so the hash runs on those only.
     The flags let common batches skip work; their defaults are the safe choice.
     """
@@ -34,6 +36,7 @@ class SamplingTensors:
     output_token_counts: torch.Tensor | None = None  # int [B, V]
     prompt_token_mask: torch.Tensor | None = None  # bool [B, V]
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # int64 [N], [N]
+    allowed: torch.Tensor | None = None  # int32 [B, ceil(V / 32)]: bit i of word j, id 32j+i
     seeded_rows: torch.Tensor | None = None  # int64 [S]
     max_logprobs: int = 0
     any_logprobs: bool = True  # some row wants the sampled token's logprob
@@ -63,18 +66,21 @@ def sample(
     `one_pass` (the engine's `Kernels.sample_one_pass`, or None) samples batches of greedy
     and plain-temperature rows in one pass over the logits.
 
-    Order: penalties, min_tokens mask, then argmax for greedy rows; other rows divide
-    by temperature, apply top-k, top-p, min-p and draw by an exponential race.
+    Order: penalties, the structured-output mask, the min_tokens mask, then argmax for greedy
+    rows; other rows divide by temperature, apply top-k, top-p, min-p and draw by an
+    exponential race.
     Log-probs follow vLLM's default ("raw_logprobs"): log_softmax of the logits as
     the model returned them, before penalties, masks, temperature and filters.
     """
     if not _fits_one_pass(logits, t):
         one_pass = None
-    plain = t.output_token_counts is None and t.min_tokens_mask is None
+    plain = t.output_token_counts is None and t.min_tokens_mask is None and t.allowed is None
     want_logprobs = t.any_logprobs or t.max_logprobs > 0
     # the float32 copy is needed for penalties, masks, logprobs and the torch path
     raw = logits if one_pass and plain and not want_logprobs else logits.float()
     logits = apply_penalties(raw, t)
+    if t.allowed is not None:
+        logits = apply_bitmask(logits, t.allowed)
     if t.min_tokens_mask is not None:
         logits = logits.index_put(t.min_tokens_mask, logits.new_full((), float("-inf")))
     if one_pass:
@@ -101,6 +107,14 @@ def _fits_one_pass(logits: torch.Tensor, t: SamplingTensors) -> bool:
     if logits.stride(-1) != 1:
         return False
     return t.all_greedy or not (t.any_top_k or t.any_top_p or t.any_min_p or t.any_seeded)
+
+
+def apply_bitmask(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """`logits` [B, V] with every token whose bit in `bits` [B, ceil(V / 32)] is clear set
+    to -inf (a new tensor: the caller's logits may be a CUDA graph's output)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1)[:, : logits.shape[-1]]
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -1,0 +1,200 @@
+"""Structured output: each request's constraint compiled by llguidance into a matcher, and
+each step's allowed tokens as a bitmask the sampler applies (docs/structured-output.md).
+
+llguidance was chosen over xgrammar by measurement (benchmarks/grammar_engines.py): it
+bounds the work a hostile schema or grammar can cause (fuel limits, below), needs neither
+torch nor transformers, reads Lark grammars, and compiles a constraint in a few
+milliseconds; its mask costs tens of microseconds a row, filled on the CPU while the device
+runs the step's forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import llguidance
+import llguidance.numpy as llg_numpy
+import numpy as np
+
+from nanovllm.core.errors import InvalidRequestError
+from nanovllm.core.sampling_params import StructuredOutputsParams
+from nanovllm.core.sequence import FinishReason, Sequence
+
+log = logging.getLogger("nanovllm")
+
+# What one constraint may cost the grammar engine, so that no request can stall the engine:
+# building the lexer (fuel 100k: at most ~40 ms on a slow 2-core CPU; llguidance's default
+# of 1M let `(x{1000}){1000}` take 0.8 s), one mask (llguidance's default), the grammar's
+# size and the lexer's states (memory: 1-2 kB a state).
+LIMITS = dict(initial_lexer_fuel=100_000, step_lexer_fuel=200_000, step_max_items=50_000,
+              max_lexer_states=100_000, max_grammar_size=200_000, verbose_errors=False)
+CACHE_SIZE = 256  # compiled constraints kept, least recently used dropped first
+
+
+class Grammars:
+    """The engine's grammar compiler: llguidance's view of the tokenizer (built on first
+    use: about 0.2 s for a 49k vocabulary) and compiled constraints cached by key."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: set[int]) -> None:
+        self.tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size  # the logits' width: the mask covers every id
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self.limits = llguidance.LLParserLimits(**LIMITS)
+        self.hits = self.misses = 0
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.LLTokenizer(
+                self.tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+        return self._tokenizer
+
+    def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher at the start of `params`' constraint; InvalidRequestError naming
+        the field when it does not compile or exceeds LIMITS."""
+        key = params.key
+        proto = self._cache.get(key)
+        if proto is not None:
+            self.hits += 1
+            self._cache.move_to_end(key)
+            return proto.deep_copy()
+        self.misses += 1
+        param = f"{params.param}.{params.kind}"
+        try:
+            grammar = _grammar(params)
+        except ValueError as e:
+            raise InvalidRequestError(f"{param} does not compile: {e}", param) from None
+        proto = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+        why = _probe(proto, self.vocab_size)
+        if why is not None:
+            if "limit" in why or "too many" in why or "too big" in why:
+                why += ("; the constraint exceeds what one request may cost the grammar "
+                        "engine (docs/structured-output.md): make it smaller or simpler")
+            raise InvalidRequestError(f"{param} does not compile: {why}", param)
+        self._cache[key] = proto
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return proto.deep_copy()
+
+
+def _grammar(params: StructuredOutputsParams) -> str:
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else params.json
+        compact = {"whitespace_flexible": False} if params.disable_any_whitespace else None
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=compact)
+    if kind == "choice":
+        return llguidance.grammar_from("choice", list(params.choice))
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted
+
+
+def _probe(proto: llguidance.LLMatcher, vocab_size: int) -> str | None:
+    """Why a new matcher fails, or None. The lexer is built lazily, and a regex that
+    explodes (`(x{1000}){1000}`) does so at its first lexeme: build the first mask now, and
+    take one allowed token on a copy, so that such a constraint is refused before its
+    request is queued. (One that explodes later ends its request with finish_reason
+    "error".)"""
+    if not proto.is_error():
+        mask = llg_numpy.allocate_token_bitmask(1, vocab_size)
+        llg_numpy.fill_next_token_bitmask(proto, mask, 0)
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        if not proto.is_error() and len(allowed) and allowed[0] < vocab_size:
+            trial = proto.deep_copy()
+            if not trial.consume_token(int(allowed[0])) or trial.is_error():
+                return _first_line(trial.get_error())
+    return _first_line(proto.get_error()) if proto.is_error() else None
+
+
+def _first_line(error: str) -> str:
+    line = error.strip().splitlines()[0] if error.strip() else "rejected"
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+class Constraint:
+    """One sequence's matcher. `waiting_for`: the token that ends the model's reasoning,
+    when the constraint applies only to the answer after it (None: it applies now)."""
+
+    __slots__ = ("matcher", "waiting_for")
+
+    def __init__(self, matcher: llguidance.LLMatcher, waiting_for: int | None) -> None:
+        self.matcher = matcher
+        self.waiting_for = waiting_for
+
+
+class StructuredOutputs:
+    """The constraints of an engine's running sequences: compiled at `add` (before the
+    request is queued), advanced by every resolved token (`accept`), asked for each step's
+    bitmask (`bitmask`)."""
+
+    def __init__(self, grammars: Grammars, reasoning_end: int | None = None) -> None:
+        self.grammars = grammars
+        self.reasoning_end = reasoning_end  # `</think>`'s id with a reasoning parser
+        self.by_seq: dict[int, Constraint] = {}
+        self._executor: llguidance.LLExecutor | None = None
+
+    def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        return self.grammars.compile(params)
+
+    def add(self, seq: Sequence, matcher: llguidance.LLMatcher) -> None:
+        """`seq` is constrained by `matcher` (a copy per completion); with a reasoning
+        parser, from the end of its reasoning on, unless its prompt already closed it."""
+        wait = self.reasoning_end
+        if wait is not None and _closes_reasoning(seq.token_ids, wait):
+            wait = None
+        self.by_seq[seq.seq_id] = Constraint(matcher, wait)
+
+    def drop(self, seq_id: int) -> None:
+        self.by_seq.pop(seq_id, None)
+
+    def constrains(self, seqs: list[Sequence]) -> bool:
+        by_seq = self.by_seq
+        return bool(by_seq) and any(s.seq_id in by_seq for s in seqs)
+
+    def accept(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        """Advance `seq`'s matcher by its new token. STOP when the constraint is complete and
+        allows no further token; ERROR when the matcher failed (a mask that ran past its
+        fuel in LIMITS, or a token it did not allow): the output would not conform."""
+        c = self.by_seq.get(seq.seq_id)
+        if c is None:
+            return None
+        if c.waiting_for is not None:
+            if token_id == c.waiting_for:
+                c.waiting_for = None
+            return None
+        if not c.matcher.consume_token(token_id) or c.matcher.is_error():
+            log.warning("sequence %d ends: its constraint failed at token %d (%s)",
+                        seq.seq_id, token_id, _first_line(c.matcher.get_error()))
+            self.by_seq.pop(seq.seq_id)
+            return FinishReason.ERROR
+        return FinishReason.STOP if c.matcher.is_stopped() else None
+
+    def bitmask(self, seqs: list[Sequence]) -> np.ndarray | None:
+        """Allowed tokens of each row (int32 [rows, ceil(V / 32)], bit i of word j: token
+        32 j + i); every bit set for a row without an active constraint. None when no row
+        has one now."""
+        rows = []
+        for i, seq in enumerate(seqs):
+            c = self.by_seq.get(seq.seq_id)
+            if c is not None and c.waiting_for is None and not seq.is_finished:
+                rows.append((c.matcher, i))
+        if not rows:
+            return None
+        mask = llg_numpy.allocate_token_bitmask(len(seqs), self.grammars.vocab_size)
+        if len(rows) == 1:
+            llg_numpy.fill_next_token_bitmask(rows[0][0], mask, rows[0][1])
+        else:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llg_numpy.fill_next_token_bitmask_par(self._executor, rows, mask)
+        return mask
+
+
+def _closes_reasoning(prompt: list[int], end_id: int, tail: int = 3) -> bool:
+    # a template that turns thinking off ends the prompt with an empty <think></think> (and
+    # a newline); an earlier turn's reasoning is further back than the next turn's header
+    return end_id in prompt[-tail:]
