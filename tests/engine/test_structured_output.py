@@ -212,3 +212,21 @@ def test_constraint_waits_for_the_end_of_reasoning(tiny_llama):
     so.accept(thinking, end)
     assert not (so.bitmask([thinking])[0] == -1).all()
     assert so.bitmask([Sequence(2, [1], SamplingParams())]) is None
+
+
+@pytest.mark.gpu
+def test_gpu_with_cuda_graphs_and_overlap(tiny_llama):
+    """On a GPU the mask meets CUDA graphs (decode logits from a replayed graph), overlap
+    (the bitmask waits on the step before) and the one-pass sampler."""
+    llm = LLM(str(tiny_llama), device="cuda", max_num_seqs=64, num_kv_blocks=1024,
+              block_size=16)
+    assert llm.engine.config.cuda_graphs and llm.engine.overlap
+    outs = texts(llm, constrained(n=64, json=SCHEMA, disable_any_whitespace=True), ["a"])
+    for c in outs:
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    mixed = [SamplingParams(temperature=1.0, max_tokens=30)] * 8 + [
+        constrained(regex=REGEX)] * 8  # constrained and free rows in one batch
+    got = llm.generate(["the cat"] * 16, mixed, use_tqdm=False)
+    assert all(re.fullmatch(REGEX, o.outputs[0].text) for o in got[8:])
+    assert any(not re.fullmatch(REGEX, o.outputs[0].text) for o in got[:8])
