@@ -43,8 +43,32 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer_files(path: Path, vocab_size: int = 400) -> None:
-    """A byte-level BPE trained on a tiny corpus, saved as tokenizer.json + config."""
+# A Qwen3-style template written for the tests: tools in a system turn, calls as hermes
+# <tool_call> blocks, tool results as <tool_response> user turns, and thinking turned off by
+# an empty <think></think> in the prompt (enable_thinking=False)
+AGENT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these tools; write each call as "
+    "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{% if m.content %}{{ m.content }}{% endif %}{% for c in m.tool_calls %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n"
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+AGENT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+
+def build_tokenizer_files(path: Path, vocab_size: int = 400, agent: bool = False) -> None:
+    """A byte-level BPE trained on a tiny corpus, saved as tokenizer.json + config; `agent`:
+    with AGENT_TEMPLATE and its tags as added tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -56,6 +80,8 @@ def build_tokenizer_files(path: Path, vocab_size: int = 400) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS, trainer)
+    if agent:
+        tok.add_tokens(AGENT_TOKENS)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(
@@ -64,7 +90,7 @@ def build_tokenizer_files(path: Path, vocab_size: int = 400) -> None:
                 "bos_token": None,
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": AGENT_TEMPLATE if agent else CHAT_TEMPLATE,
                 "add_bos_token": False,
             }
         )
@@ -75,9 +101,10 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     """A 2-layer randomly initialized model of the given family, saved in HF layout."""
     import transformers
 
+    agent = overrides.pop("agent", False)
     spec = dict(TINY_ARCHS[arch], **overrides)
     path.mkdir(parents=True, exist_ok=True)
-    build_tokenizer_files(path)
+    build_tokenizer_files(path, agent=agent)
     config_cls = transformers.AutoConfig.for_model(spec.pop("model_type")).__class__
     architecture = spec.pop("architecture")
     shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -5,6 +5,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.core.errors import InvalidRequestError
 from nanovllm.core.sampling_params import SamplingParams
+from nanovllm.engine.chat_output import ChatOutputParser, ChatTools
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.outputs import RequestOutput
 
@@ -61,11 +62,42 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        `tools`, `tool_choice`, `parallel_tool_calls`: OpenAI's tool calling; the tools are
+        rendered by the chat template, "required" or a named function is forced by the grammar
+        engine, "auto" is read in the model's own format (the engine's tool_call_parser).
+        `chat_template_kwargs` reach the template (e.g. {"enable_thinking": False}). With tools
+        or a reasoning parser, each completion's `text` is also read as its
+        `reasoning_content`, `content` and `tool_calls` (engine/chat_output.py).
+        """
         if messages and isinstance(messages[0], dict):
             messages = [messages]
-        return self.generate(list(messages), sampling_params, use_tqdm)
+        engine = self.engine
+        chat_tools = None
+        if tools is not None or tool_choice is not None:
+            chat_tools = ChatTools(tools, tool_choice, parallel_tool_calls,
+                                   engine.tool_call_parser)
+        params = _as_params_list(sampling_params, len(messages))
+        kwargs = dict(chat_template_kwargs or {})
+        if chat_tools is not None:
+            params = [chat_tools.constrain(p) for p in params]
+            kwargs["tools"] = chat_tools.template_tools
+        prompts = [engine.render_chat(list(m), **kwargs) for m in messages]
+        outputs = self.generate(prompts, params, use_tqdm)
+        parser = ChatOutputParser(engine.config.reasoning_parser, chat_tools)
+        if parser.reasoning is not None or parser.tools is not None:
+            for out in outputs:
+                for c in out.outputs:
+                    reply = parser.parse(c.text)
+                    c.reasoning_content, c.content = reply.reasoning, reply.content
+                    c.tool_calls = reply.tool_calls
+        return outputs
 
     def _render(self, prompt) -> Prompt:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):

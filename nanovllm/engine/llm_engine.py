@@ -16,6 +16,7 @@ from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import FinishReason, Sequence
 from nanovllm.core.trace import SchedulerTrace
 from nanovllm.core.validation import as_token_ids, check_prompt
+from nanovllm.engine.chat_output import for_template
 from nanovllm.engine.messages import DeltaRow
 from nanovllm.engine.output_processor import OutputProcessor, Request
 from nanovllm.engine.outputs import RequestOutput
@@ -24,6 +25,7 @@ from nanovllm.engine.resolve import fit_kv_cache, resolve_config
 from nanovllm.engine.step_times import StepTimes
 from nanovllm.engine.structured_output import Grammars, StructuredOutputs
 from nanovllm.engine.tokenizer import load_tokenizer
+from nanovllm.engine.tool_calls import detect_tool_call_parser
 from nanovllm.model.config import ModelConfig
 from nanovllm.model.loader.source import open_model
 from nanovllm.model.parallel import SINGLE
@@ -99,6 +101,11 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self.reasoning = (ReasoningParser(config.reasoning_parser)
                           if config.reasoning_parser else None)
+        # how the model writes tool calls (tool_choice "auto"): as asked, or read from the
+        # chat template; None when neither names a format
+        self.tool_call_parser = (
+            detect_tool_call_parser(self.tokenizer.chat_template)
+            if config.tool_call_parser == "auto" else config.tool_call_parser)
         self._structured: StructuredOutputs | None = None  # built for the first constraint
         self.requests: dict[str, Request] = {}
         self._owner: dict[int, tuple[Request, int]] = {}  # seq id -> (request, completion index)
@@ -129,10 +136,13 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict], parse_special_tokens: bool = False) -> list[int]:
+    def render_chat(self, messages: list[dict], parse_special_tokens: bool = False,
+                    **template_kwargs) -> list[int]:
         """Token ids of a conversation with the chat template applied and a reply to come;
-        special-token text in a message is plain text unless `parse_special_tokens`."""
-        return self.tokenizer.render_chat(messages, True, parse_special_tokens)
+        special-token text in a message is plain text unless `parse_special_tokens`.
+        `template_kwargs` reach the template (tools, enable_thinking, ...)."""
+        return self.tokenizer.render_chat(for_template(messages), True, parse_special_tokens,
+                                          **template_kwargs)
 
     def tokenize_prompt(
         self, prompt: str | list[int], params: SamplingParams | None = None

@@ -11,6 +11,10 @@ class CompletionOutput:
     finish_reason: str | None = None  # stop | length | abort | timeout | error
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
     logprobs: list[dict[int, float]] | None = None
+    # LLM.chat with a reasoning parser or tools: `text` read as its parts (engine/chat_output)
+    reasoning_content: str | None = None
+    content: str | None = None
+    tool_calls: list | None = None  # engine/tool_calls.ToolCall
 
 
 @dataclass

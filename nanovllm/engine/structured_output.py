@@ -10,6 +10,7 @@ runs the step's forward pass.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import OrderedDict
 
@@ -49,7 +50,8 @@ class Grammars:
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
             self._tokenizer = llguidance.LLTokenizer(
-                self.tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+                _text_added_tokens(self.tokenizer_json), n_vocab=self.vocab_size,
+                eos_token=self.eos_token_ids)
         return self._tokenizer
 
     def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
@@ -78,6 +80,33 @@ class Grammars:
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
         return proto.deep_copy()
+
+
+def _text_added_tokens(tokenizer_json: str) -> str:
+    """The tokenizer as llguidance should see it. llguidance takes every added token for a
+    special token, which no grammar literal matches: Qwen's `<think>` and `<tool_call>` are
+    added tokens that are text (special: false), so a grammar's "<tool_call>" would allow
+    the token in the mask and then refuse it. Such tokens go into the BPE vocabulary, where
+    they are the bytes they spell."""
+    tok = json.loads(tokenizer_json)
+    model = tok.get("model") or {}
+    vocab = model.get("vocab")
+    if model.get("type") != "BPE" or not isinstance(vocab, dict):
+        return tokenizer_json
+    byte_level = "ByteLevel" in json.dumps(tok.get("pre_tokenizer")) + json.dumps(
+        tok.get("decoder"))
+    kept = []
+    for added in tok.get("added_tokens", []):
+        text = added.get("content", "")
+        if added.get("special") or not text.isascii() or not text.isprintable():
+            kept.append(added)
+            continue
+        # printable ASCII is itself in the byte-level alphabet, except the space
+        vocab[text.replace(" ", "\u0120" if byte_level else "\u2581")] = added["id"]
+    if len(kept) == len(tok.get("added_tokens", [])):
+        return tokenizer_json
+    tok["added_tokens"] = kept
+    return json.dumps(tok)
 
 
 def _grammar(params: StructuredOutputsParams) -> str:
