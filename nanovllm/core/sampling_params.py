@@ -37,13 +37,19 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
-    # the field a front end names in its errors (e.g. "response_format")
+    # the field errors name: "structured_outputs" (then ".json", ".regex", ...), or the
+    # front end's own whole field ("response_format.json_schema", "tool_choice")
     param: str = field(default="structured_outputs", repr=False, compare=False)
+
+    def field_name(self, kind: str | None = None) -> str:
+        if self.param != "structured_outputs":
+            return self.param
+        return f"{self.param}.{kind or self.kind}"
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
-            raise InvalidRequestError(f"{self.param}.{name} is invalid: {why}",
-                                      param=f"{self.param}.{name}")
+            raise InvalidRequestError(f"{self.field_name(name)} is invalid: {why}",
+                                      param=self.field_name(name))
 
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:

@@ -95,6 +95,8 @@ def run_engine_loop(conns: list[Connection], config: EngineProcessConfig) -> Non
         eos_token_ids=tuple(sorted(engine.eos_token_ids)),
         pid=os.getpid(),
         max_num_seqs=engine.config.max_num_seqs,
+        reasoning_parser=engine.config.reasoning_parser,
+        tool_call_parser=engine.tool_call_parser,
     ))  # fmt: skip
     for conn in conns:
         conn.send(ready)

@@ -80,6 +80,10 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     pid: int
     max_num_seqs: int  # rows in one step, as resolved for the device
+    # chat replies, read by the front end (engine/chat_output.py): the reasoning parser and
+    # the tool-call format (as configured, or read from the chat template), None for none
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
 
 
 @dataclass(frozen=True)

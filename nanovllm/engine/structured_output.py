@@ -64,7 +64,7 @@ class Grammars:
             self._cache.move_to_end(key)
             return proto.deep_copy()
         self.misses += 1
-        param = f"{params.param}.{params.kind}"
+        param = params.field_name()
         try:
             grammar = _grammar(params)
         except ValueError as e:

@@ -19,6 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.core.errors import NanoVLLMError
+from nanovllm.engine.chat_output import ChatOutputParser
 from nanovllm.engine.tokenizer import Tokenizer
 from nanovllm.entrypoints.openai.engine_client import EngineDeadError
 from nanovllm.entrypoints.openai.errors import APIError, api_error
@@ -149,10 +150,12 @@ def build_app(client: ReplicaSet, tokenizer: Tokenizer, settings: ServerSettings
     async def chat_completions(request: Request) -> Response:
         req = await read_json(request, ChatCompletionRequest, limit)
         server.check_model(req.model)
-        params = server.sampling_params(req)
-        ids = server.chat_ids(req, params.max_tokens)
+        tools = server.chat_tools(req)
+        params = server.sampling_params(req, tools)
+        ids = server.chat_ids(req, params.max_tokens, tools)
         gen = Generation(server, "chatcmpl", req, params, [ids])
-        return await respond(request, gen, ChatShape(req, server.token_str))
+        parser = ChatOutputParser(server.reasoning_parser, tools)
+        return await respond(request, gen, ChatShape(req, server.token_str, parser))
 
     @app.post("/tokenize", dependencies=keyed, openapi_extra=json_body(TokenizeRequest),
               response_model=TokenizeResponse, responses=responses(TokenizeResponse, post))

@@ -13,7 +13,9 @@ from nanovllm.core.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
+    StructuredOutputsParams,
 )
+from nanovllm.engine.chat_output import ChatOutputParser, ChatReply, ChatReplyStream
 
 MAX_LOGPROBS = 20  # top logprobs per token, as vLLM's default max_logprobs
 # what chat templates understand; OpenAI's "developer" is its newer name for "system"
@@ -34,6 +36,35 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    """response_format.json_schema: the schema the reply must follow. `strict` is accepted
+    and changes nothing: the grammar engine always holds the reply to the schema."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, populate_by_name=True)
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's request field: one of json (a schema), json_object, regex, choice, grammar."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, populate_by_name=True)
 
 
 class TextPart(_Request):
@@ -77,6 +108,9 @@ class _GenerateRequest(_Request):
     # special-token text in a prompt or message ("<|im_start|>") is plain text unless a
     # trusted caller sets this: then it becomes the control tokens it spells
     parse_special_tokens: bool = False
+    # structured output: OpenAI's response_format, or vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -93,6 +127,7 @@ class _GenerateRequest(_Request):
             "repetition_penalty": self.repetition_penalty,
         }
         return SamplingParams(
+            structured_outputs=self._structured_outputs(),
             n=self.n,
             seed=self.seed,
             max_tokens=max_tokens,
@@ -105,6 +140,29 @@ class _GenerateRequest(_Request):
             skip_special_tokens=self.skip_special_tokens,
             **{k: v for k, v in given.items() if v is not None},
         )
+
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type != "text" and so is not None:
+            raise InvalidRequestError(
+                "response_format and structured_outputs both constrain the reply; set one",
+                "structured_outputs")
+        if so is not None:
+            return StructuredOutputsParams(
+                json=so.json_, json_object=bool(so.json_object), regex=so.regex,
+                choice=so.choice, grammar=so.grammar,
+                disable_any_whitespace=so.disable_any_whitespace)
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True, param="response_format")
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise InvalidRequestError(
+                'response_format of type "json_schema" needs json_schema.schema: the JSON '
+                "schema the reply must follow", "response_format.json_schema")
+        return StructuredOutputsParams(json=rf.json_schema.schema_,
+                                       param="response_format.json_schema")
 
 
 class CompletionRequest(_GenerateRequest):
@@ -132,6 +190,10 @@ class ChatCompletionRequest(_GenerateRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    # tool calling (checked by engine/tool_calls.py, whose errors name the field)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -234,9 +296,21 @@ class CompletionShape(_Shape):
 
 
 class ChatShape(_Shape):
-    """/v1/chat/completions: a message per choice, or deltas (role first, then content)."""
+    """/v1/chat/completions: a message per choice, or deltas (role first, then content).
+    With a reasoning parser or tools, each choice's text is read by `parser`
+    (engine/chat_output.py) into reasoning, content and tool calls."""
 
     obj, chunk_obj = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, req: ChatCompletionRequest, token_str: Callable[[int], str],
+                 parser: ChatOutputParser | None = None) -> None:
+        super().__init__(req, token_str)
+        active = parser is not None and (parser.reasoning is not None or parser.tools is not None)
+        self.parser = parser if active else None
+        self.named = parser is not None and parser.tools is not None and isinstance(
+            parser.tools.choice, dict)
+        self.streams: dict[int, ChatReplyStream] = {}
+        self.num_calls: dict[int, int] = defaultdict(int)  # tool calls streamed, per choice
 
     def opening(self, num_choices: int) -> list[dict]:
         role = {"role": "assistant", "content": ""}
@@ -245,6 +319,47 @@ class ChatShape(_Shape):
              "stop_reason": None}
             for i in range(num_choices)
         ]
+
+    def choice(self, i: int, text: str, entries: LogprobEntries, finish: str | None,
+               stop: Any, delta: bool = False) -> dict:
+        if self.parser is None:
+            return super().choice(i, text, entries, finish, stop, delta)
+        lp = self._logprobs(entries) if self.req.logprobs else None
+        if delta:
+            stream = self.streams.get(i) or self.streams.setdefault(i, self.parser.stream())
+            reply = stream.feed(text) if text else ChatReply()
+            if finish is not None:
+                last = stream.finish()
+                reply = ChatReply(_join(reply.reasoning, last.reasoning),
+                                  _join(reply.content, last.content),
+                                  reply.tool_calls + last.tool_calls)
+            body = {"delta": self._message(reply, i, delta=True), "logprobs": lp}
+        else:
+            reply = self.parser.parse(text)
+            body = {"message": {"role": "assistant", **self._message(reply, i, delta=False)},
+                    "logprobs": lp}
+        calls = self.num_calls[i] > 0 if delta else bool(reply.tool_calls)
+        if finish == "stop" and calls and not self.named:
+            finish = "tool_calls"  # OpenAI's reason when the model called tools
+        return {"index": i, **body, "finish_reason": finish, "stop_reason": stop}
+
+    def _message(self, reply: ChatReply, i: int, delta: bool) -> dict:
+        out: dict[str, Any] = {}
+        if reply.reasoning is not None or (not delta and self.parser.reasoning is not None):
+            # vLLM's names: reasoning_content, and the newer reasoning
+            out["reasoning_content"] = out["reasoning"] = reply.reasoning
+        if reply.content is not None or not delta:
+            out["content"] = reply.content
+        if reply.tool_calls:
+            calls = []
+            for call in reply.tool_calls:
+                calls.append({"index": self.num_calls[i], **call.to_openai()})
+                self.num_calls[i] += 1
+            out["tool_calls"] = calls if delta else [
+                {k: v for k, v in c.items() if k != "index"} for c in calls]
+        elif not delta and self.parser.tools is not None:
+            out["tool_calls"] = []
+        return out
 
     def _body(self, i: int, text: str, entries: LogprobEntries, delta: bool) -> dict:
         lp = self._logprobs(entries) if self.req.logprobs else None
@@ -264,6 +379,10 @@ class ChatShape(_Shape):
             top = [item(t, lp) for t, lp in sorted(lps.items(), key=lambda kv: -kv[1])[:k]]
             content.append({**item(token_id, lps.get(token_id)), "top_logprobs": top})
         return {"content": content}
+
+
+def _join(a: str | None, b: str | None) -> str | None:
+    return b if a is None else a if b is None else a + b
 
 
 ResponseShape = CompletionShape | ChatShape

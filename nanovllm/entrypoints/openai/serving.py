@@ -11,6 +11,7 @@ from functools import lru_cache
 from nanovllm.core.errors import InvalidRequestError
 from nanovllm.core.sampling_params import SamplingParams
 from nanovllm.core.validation import as_token_ids, check_prompt
+from nanovllm.engine.chat_output import ChatTools, for_template
 from nanovllm.engine.chat_template import ChatTemplate, render_plain_contents
 from nanovllm.engine.tokenizer import Tokenizer
 from nanovllm.entrypoints.openai.errors import APIError
@@ -42,7 +43,7 @@ def _named_parameters(*functions: Callable) -> frozenset[str]:
 RESERVED_TEMPLATE_KWARGS = _named_parameters(
     Tokenizer.apply_chat_template, Tokenizer.render_chat, ChatTemplate.render,
     render_plain_contents,
-) | {"bos_token", "eos_token", "unk_token", "pad_token"}
+) | {"bos_token", "eos_token", "unk_token", "pad_token", "tools"}
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class Server:
         self.max_model_len: int = client.info.max_model_len
         self.vocab_size: int = client.info.vocab_size
         self.max_n = min(MAX_N, client.info.max_num_seqs)
+        self.reasoning_parser = client.info.reasoning_parser
+        self.tool_call_parser = client.info.tool_call_parser
         self.metrics = Metrics(self.model_name)
         self.created = int(time.time())
         # the Generations started and not yet closed (generation.py): a stop whose drain
@@ -84,9 +87,20 @@ class Server:
             msg = f"model {model!r} does not exist; this server serves {self.model_name!r}"
             raise APIError(404, msg, "model", "model_not_found")
 
-    def sampling_params(self, req: GenerateRequest) -> SamplingParams:
-        """The request's sampling parameters; 400 when they are invalid or n is too large."""
+    def chat_tools(self, req: ChatCompletionRequest) -> ChatTools | None:
+        """The request's tools, checked; None when it has none."""
+        if req.tools is None and req.tool_choice is None:
+            return None
+        return ChatTools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                         self.tool_call_parser)
+
+    def sampling_params(self, req: GenerateRequest, tools: ChatTools | None = None
+                        ) -> SamplingParams:
+        """The request's sampling parameters (with the grammar that forces tool calls when
+        `tools` asks for it); 400 when they are invalid or n is too large."""
         params = req.sampling_params()
+        if tools is not None:
+            params = tools.constrain(params)
         if params.n > self.max_n:
             msg = f"n={params.n} is too large; use at most {self.max_n}"
             raise APIError(400, msg, "n", "invalid_value")
@@ -104,13 +118,16 @@ class Server:
         check_prompt(ids, self.vocab_size, self.max_model_len, max_tokens, "prompt")
         return ids
 
-    def chat_ids(self, req: ChatCompletionRequest, max_tokens: int | None) -> list[int]:
-        """A chat's rendered token ids, checked as the engine checks them."""
-        ids = self.render_chat(req)
+    def chat_ids(self, req: ChatCompletionRequest, max_tokens: int | None,
+                 tools: ChatTools | None = None) -> list[int]:
+        """A chat's rendered token ids (with `tools` for the template), checked as the
+        engine checks them."""
+        ids = self.render_chat(req, tools)
         check_prompt(ids, self.vocab_size, self.max_model_len, max_tokens, "messages")
         return ids
 
-    def render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    def render_chat(self, req: ChatCompletionRequest | TokenizeRequest,
+                    tools: ChatTools | None = None) -> list[int]:
         """As LLMEngine.render_chat: the template writes any BOS itself, and special-token
         text inside a message is plain text unless the request sets parse_special_tokens."""
         kwargs = getattr(req, "chat_template_kwargs", None) or {}
@@ -119,7 +136,9 @@ class Server:
             msg = (f"chat_template_kwargs.{reserved}: the server sets {reserved!r} itself; "
                    "remove it (messages and add_generation_prompt are request fields)")
             raise APIError(400, msg, "chat_template_kwargs", "invalid_value")
-        messages = flatten_messages(req.messages)
+        if tools is not None and tools.template_tools:
+            kwargs = {**kwargs, "tools": tools.template_tools}
+        messages = for_template(flatten_messages(req.messages))
         return self.tokenizer.render_chat(
             messages, req.add_generation_prompt, req.parse_special_tokens, **kwargs
         )
