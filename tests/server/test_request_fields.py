@@ -54,8 +54,24 @@ def test_every_sampling_field_of_the_request_is_covered():
     """A sampling field added to the request models is added to FIELDS too."""
     request_fields = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
     sampling = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
-    # max_tokens and logprobs have their own names per endpoint (test below)
-    assert (request_fields & sampling) - {"max_tokens", "logprobs"} == set(FIELDS)
+    # max_tokens, logprobs and structured_outputs have their own shapes (tests below)
+    own = {"max_tokens", "logprobs", "structured_outputs"}
+    assert (request_fields & sampling) - own == set(FIELDS)
+
+
+@pytest.mark.parametrize("kind", sorted(REQUESTS))
+def test_constraints_reach_sampling_params(kind):
+    model, base = REQUESTS[kind]
+    schema = {"type": "object"}
+    so = model(**base, structured_outputs={"json": schema}).sampling_params().structured_outputs
+    assert (so.json, so.param) == (schema, "structured_outputs")
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    so = model(**base, response_format=rf).sampling_params().structured_outputs
+    assert (so.json, so.field_name()) == (schema, "response_format.json_schema")
+    so = model(**base, response_format={"type": "json_object"}).sampling_params()
+    assert so.structured_outputs.json_object
+    assert model(**base, response_format={"type": "text"}).sampling_params().structured_outputs \
+        is None
 
 
 def test_max_tokens_and_logprobs_reach_sampling_params():

@@ -43,7 +43,7 @@ def _named_parameters(*functions: Callable) -> frozenset[str]:
 RESERVED_TEMPLATE_KWARGS = _named_parameters(
     Tokenizer.apply_chat_template, Tokenizer.render_chat, ChatTemplate.render,
     render_plain_contents,
-) | {"bos_token", "eos_token", "unk_token", "pad_token", "tools"}
+) | {"bos_token", "eos_token", "unk_token", "pad_token"}
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,9 @@ class Server:
                    "remove it (messages and add_generation_prompt are request fields)")
             raise APIError(400, msg, "chat_template_kwargs", "invalid_value")
         if tools is not None and tools.template_tools:
+            if "tools" in kwargs:
+                raise APIError(400, "chat_template_kwargs.tools: the request's tools field "
+                               "sets it; remove one", "chat_template_kwargs", "invalid_value")
             kwargs = {**kwargs, "tools": tools.template_tools}
         messages = for_template(flatten_messages(req.messages))
         return self.tokenizer.render_chat(
