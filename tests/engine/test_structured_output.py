@@ -152,8 +152,8 @@ def test_exactly_one_kind():
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(InvalidRequestError, match="set exactly one of"):
         StructuredOutputsParams()
-    with pytest.raises(InvalidRequestError, match="response_format.json is invalid"):
-        StructuredOutputsParams(json=3, param="response_format")
+    with pytest.raises(InvalidRequestError, match="response_format.json_schema is invalid"):
+        StructuredOutputsParams(json=3, param="response_format.json_schema")
 
 
 @pytest.fixture(scope="module")
