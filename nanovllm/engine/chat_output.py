@@ -20,13 +20,12 @@ from nanovllm.core.sampling_params import SamplingParams, StructuredOutputsParam
 from nanovllm.engine.reasoning import ReasoningParser, ReasoningStream
 from nanovllm.engine.tool_calls import (
     ToolCall,
-    ToolCallParser,
-    ToolCallStream,
     check_tool_choice,
     check_tools,
     forced_call_schema,
     parse_forced_calls,
 )
+from nanovllm.engine.tool_parsers import ToolCallParser, ToolCallStream
 
 
 @dataclass

@@ -25,7 +25,7 @@ from nanovllm.engine.resolve import fit_kv_cache, resolve_config
 from nanovllm.engine.step_times import StepTimes
 from nanovllm.engine.structured_output import Grammars, StructuredOutputs
 from nanovllm.engine.tokenizer import load_tokenizer
-from nanovllm.engine.tool_calls import detect_tool_call_parser
+from nanovllm.engine.tool_parsers import detect_tool_call_parser
 from nanovllm.model.config import ModelConfig
 from nanovllm.model.loader.source import open_model
 from nanovllm.model.parallel import SINGLE

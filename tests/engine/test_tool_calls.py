@@ -11,14 +11,16 @@ import pytest
 
 from nanovllm.core.errors import InvalidRequestError
 from nanovllm.engine.tool_calls import (
-    TOOL_CALL_PARSERS,
     ToolCall,
-    ToolCallParser,
     check_tool_choice,
     check_tools,
-    detect_tool_call_parser,
     forced_call_schema,
     parse_forced_calls,
+)
+from nanovllm.engine.tool_parsers import (
+    TOOL_CALL_PARSERS,
+    ToolCallParser,
+    detect_tool_call_parser,
 )
 
 WEATHER_PARAMS = {
