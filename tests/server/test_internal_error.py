@@ -13,7 +13,8 @@ from nanovllm.entrypoints.openai.serving import ServerSettings
 
 
 class _BrokenClient:
-    info = SimpleNamespace(max_model_len=64, vocab_size=512, max_num_seqs=4)
+    info = SimpleNamespace(max_model_len=64, vocab_size=512, max_num_seqs=4,
+                           reasoning_parser=None, tool_call_parser=None)
 
     @property
     def alive(self) -> bool:
