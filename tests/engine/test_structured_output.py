@@ -124,6 +124,25 @@ def test_preemption_and_prefix_caching(tiny_llama):
     assert not llm.engine.structured.by_seq  # constraints dropped with their requests
 
 
+@pytest.mark.parametrize("options", [
+    dict(max_num_batched_tokens=16, max_num_seqs=4),  # prompts prefilled in chunks
+    dict(num_kv_blocks=40, swap_space=0.05, preemption_mode="swap", max_num_seqs=8),
+])
+def test_chunked_prefill_and_swap(tiny_llama, options):
+    """Chunked prompts (a row samples only at its last chunk) and sequences swapped out and
+    back keep their constraints."""
+    options = dict(dict(num_kv_blocks=512), **options)
+    llm = LLM(str(tiny_llama), device="cpu", block_size=4, **options)
+    prompt = "the cat sat on the mat and the dog ran after the cat again"
+    outs = texts(llm, constrained(json=SCHEMA, disable_any_whitespace=True), [prompt] * 8)
+    for c in outs:
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    if "swap_space" in options:
+        assert llm.engine.scheduler.num_preemptions > 0
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 @pytest.mark.parametrize("kind, value, says", [
     ("regex", "([a-z]+", "structured_outputs.regex does not compile"),
     ("grammar", "start: foo\n", "structured_outputs.grammar does not compile"),
@@ -135,6 +154,11 @@ def test_preemption_and_prefix_caching(tiny_llama):
     ("choice", [], "structured_outputs.choice is invalid"),
     ("choice", ["a", 3], "structured_outputs.choice is invalid"),
     ("regex", "a" * 70_000, "at most 65536"),
+    # keywords the grammar engine does not implement are refused, not silently dropped
+    ("json", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+     'Unimplemented keys: ["uniqueItems"]'),
+    ("json", {"not": {"type": "string"}}, 'Unimplemented keys: ["not"]'),
+    ("json", {"type": "string", "format": "no-such-format"}, "Unknown format"),
 ])
 def test_bad_constraints_fail_before_queueing(llm, kind, value, says):
     engine = llm.engine
