@@ -9,6 +9,7 @@ import math
 import select
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
 from nanovllm.core.errors import InvalidRequestError, NanoVLLMError
@@ -64,6 +65,11 @@ class EngineLoop:
         self._last_load = 0.0
         # one poll set for the loop's life: Connection.poll and connection.wait build a
         # selector on every call (tens of us, paid between every two steps)
+        # requests whose constraint compiles in the background (one thread), answered
+        # Accepted or Rejected when it is done: a cold compile (up to ~100 ms within the
+        # grammar engine's limits) does not stall the running requests' steps
+        self.compiling: dict[str, tuple[AddRequest, int, Future]] = {}
+        self._compiler: ThreadPoolExecutor | None = None
         self._poller = select.poll()
         self._fd_index = {}
         for i, c in enumerate(conns):
@@ -80,7 +86,7 @@ class EngineLoop:
             # between steps, take everything that arrived; when idle, sleep on the pipes (in
             # short naps while Deltas wait for a front end to make room for them)
             timeout = 0.0 if busy else self._idle_timeout()
-            if any(o.pending for o in outboxes):
+            if any(o.pending for o in outboxes) or self.compiling:
                 timeout = min(timeout, 0.002)
             # the time so far is counted before each message, so a StatsReply includes it
             phase = "receive" if busy else "idle"
@@ -90,6 +96,8 @@ class EngineLoop:
                     self._handle(conns[i].recv(), i)
                 timeout = 0.0
             self._count(phase, start)
+            if self.compiling:
+                self._admit_compiled()
             self._expire()
             rows = done = None
             if engine.has_unfinished_requests():
@@ -104,6 +112,11 @@ class EngineLoop:
                     if outbox.pending:
                         outbox.flush()
             self._maybe_log()
+        for rid, (_, origin, _) in self.compiling.items():
+            self.outboxes[origin].send(Rejected(
+                rid, RejectReason.OVERLOADED, "the engine is shutting down; retry elsewhere"))
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
         for outbox in outboxes:
             outbox.flush(timeout=1.0)
 
@@ -146,7 +159,8 @@ class EngineLoop:
                 self._load_due = True
                 self._add(msg, origin)
             case AbortRequest(request_id=rid):
-                self._finish(rid, FinishReason.ABORT, notify=False)
+                if self.compiling.pop(rid, None) is None:  # a compiling one: never queued
+                    self._finish(rid, FinishReason.ABORT, notify=False)
             case StatsQuery(token=token):
                 self.outboxes[origin].send(StatsReply(token, self.stats()))
             case Shutdown():
@@ -156,14 +170,17 @@ class EngineLoop:
 
     def _add(self, req: AddRequest, origin: int) -> None:
         engine, rid, outbox = self.engine, req.request_id, self.outboxes[origin]
-        waiting = len(engine.scheduler.waiting)
+        waiting = len(engine.scheduler.waiting) + len(self.compiling)
         if self.max_num_waiting is not None and waiting >= self.max_num_waiting:
             retry = self._retry_after(waiting)
             msg = (f"the server is at capacity ({waiting} requests waiting, "
                    f"--max-num-waiting {self.max_num_waiting}); retry in {retry} s")
             outbox.send(Rejected(rid, RejectReason.OVERLOADED, msg, retry_after=retry))
             return
+        constraint = req.params.structured_outputs
         try:  # the engine checks the ids (vocabulary, empty, longer than the context)
+            if constraint is not None and self._compile_first(req, origin, constraint):
+                return
             engine.add_request(req.prompt_token_ids, req.params, rid, stream=req.stream,
                                priority=req.priority, delta=True, detokenize=req.detokenize)
         except InvalidRequestError as e:
@@ -178,6 +195,32 @@ class EngineLoop:
         if req.timeout is not None:
             self.deadlines[rid] = time.monotonic() + req.timeout
         outbox.send(Accepted(rid))
+
+    def _compile_first(self, req: AddRequest, origin: int, constraint) -> bool:
+        """True when `req`'s constraint is not compiled yet: it compiles in the background,
+        and `_admit_compiled` adds the request once it has."""
+        grammars = self.engine.structured.grammars  # a ConfigError here rejects at once
+        if grammars.is_cached(constraint):
+            return False
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-grammar")
+        self.compiling[req.request_id] = (req, origin,
+                                          self._compiler.submit(grammars.compile, constraint))
+        return True
+
+    def _admit_compiled(self) -> None:
+        """Requests whose constraint finished compiling: added now (the compiled matcher is
+        in the cache), or rejected with the compile error."""
+        for rid in [r for r, (_, _, f) in self.compiling.items() if f.done()]:
+            req, origin, future = self.compiling.pop(rid)
+            e = future.exception()
+            if isinstance(e, InvalidRequestError):
+                self.outboxes[origin].send(
+                    Rejected(rid, RejectReason.INVALID, str(e), e.param, e.code))
+            elif e is not None:
+                raise e  # a bug in the grammar engine's binding: the process reports it
+            else:
+                self._add(req, origin)
 
     def _retry_after(self, waiting: int) -> int:
         """Seconds until the waiting queue has likely drained, from the rate requests

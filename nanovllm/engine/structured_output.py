@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 
 import llguidance
@@ -35,7 +36,9 @@ CACHE_SIZE = 256  # compiled constraints kept, least recently used dropped first
 
 class Grammars:
     """The engine's grammar compiler: llguidance's view of the tokenizer (built on first
-    use: about 0.2 s for a 49k vocabulary) and compiled constraints cached by key."""
+    use: about 0.2 s for a 49k vocabulary) and compiled constraints cached by key. Safe to
+    call from a second thread (the server's engine loop compiles there; llguidance releases
+    the GIL while it compiles)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: set[int]) -> None:
         self.tokenizer_json = tokenizer_json
@@ -45,25 +48,33 @@ class Grammars:
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self.limits = llguidance.LLParserLimits(**LIMITS)
         self.hits = self.misses = 0
+        self._lock = threading.Lock()  # the cache and the tokenizer's first build
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(
-                _text_added_tokens(self.tokenizer_json), n_vocab=self.vocab_size,
-                eos_token=self.eos_token_ids)
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(
+                    _text_added_tokens(self.tokenizer_json), n_vocab=self.vocab_size,
+                    eos_token=self.eos_token_ids)
+            return self._tokenizer
+
+    def is_cached(self, params: StructuredOutputsParams) -> bool:
+        """Whether `compile` would only copy a cached matcher (microseconds)."""
+        with self._lock:
+            return params.key in self._cache
 
     def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher at the start of `params`' constraint; InvalidRequestError naming
         the field when it does not compile or exceeds LIMITS."""
         key = params.key
-        proto = self._cache.get(key)
-        if proto is not None:
-            self.hits += 1
-            self._cache.move_to_end(key)
-            return proto.deep_copy()
-        self.misses += 1
+        with self._lock:
+            proto = self._cache.get(key)
+            if proto is not None:
+                self.hits += 1
+                self._cache.move_to_end(key)
+                return proto.deep_copy()
+            self.misses += 1
         param = params.field_name()
         try:
             grammar = _grammar(params)
@@ -72,13 +83,14 @@ class Grammars:
         proto = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
         why = _probe(proto, self.vocab_size)
         if why is not None:
-            if "limit" in why or "too many" in why or "too big" in why:
+            if any(s in why for s in ("limit", "too many", "too big", "max is")):
                 why += ("; the constraint exceeds what one request may cost the grammar "
                         "engine (docs/structured-output.md): make it smaller or simpler")
             raise InvalidRequestError(f"{param} does not compile: {why}", param)
-        self._cache[key] = proto
-        if len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[key] = proto
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
         return proto.deep_copy()
 
 

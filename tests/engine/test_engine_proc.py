@@ -323,3 +323,33 @@ def test_a_front_end_gone_with_replies_unread_ends_the_engine_quietly(tiny_llama
             proc.kill()
     err = capfd.readouterr().err
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_constraints_compile_in_the_background(engine):
+    """A request with a new constraint is answered once it has compiled (Accepted, or
+    Rejected naming the field), while a running request keeps stepping; one aborted while
+    compiling is never queued."""
+    from nanovllm.core.sampling_params import StructuredOutputsParams
+
+    conn, _ = engine
+    def so(**kind):
+        return SamplingParams(max_tokens=12, temperature=1.0,
+                              structured_outputs=StructuredOutputsParams(**kind))
+    conn.send(AddRequest("free", [5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True)))
+    conn.send(AddRequest("json", [5, 6], so(regex="(ab|cd){2,5}")))
+    conn.send(AddRequest("bad", [5, 6], so(regex="([a-z]+")))
+    conn.send(AddRequest("gone", [5, 6], so(regex="x{3}y{2}")))
+    conn.send(AbortRequest("gone"))
+    deltas, replies = collect(conn, ["free", "json", "bad"])
+    assert isinstance(replies["json"], Accepted) and isinstance(replies["free"], Accepted)
+    bad = replies["bad"]
+    assert isinstance(bad, Rejected) and bad.reason == RejectReason.INVALID
+    assert bad.param == "structured_outputs.regex" and "does not compile" in bad.message
+    import re
+
+    text = "".join(d.text for d in deltas["json"])
+    assert re.fullmatch("(ab|cd){2,5}", text), text
+    time.sleep(0.2)
+    s = stats(conn)
+    assert s.num_requests_running == s.num_requests_waiting == 0
+    assert s.num_free_kv_blocks == s.num_kv_blocks
