@@ -17,6 +17,7 @@ from nanovllm.model.layers.sampler import (
     MIN_TEMPERATURE,
     SamplerOutput,
     SamplingTensors,
+    apply_bitmask,
     apply_penalties,
     sample,
     seeded_exponentials,
@@ -484,3 +485,59 @@ def test_top_k_of_one_is_the_likeliest_token():
     t = build_sampling_tensors([SamplingParams(top_k=1, temperature=1.5)] * 300, [[]] * 300,
                                [[]] * 300, set(), 40, "cpu")
     assert torch.equal(sample(logits, t).token_ids, logits.argmax(-1))
+
+
+def _bitmask(allowed: list[list[int]], vocab: int) -> torch.Tensor:
+    """The structured-output bitmask of `allowed` ids per row, packed as llguidance packs
+    it (bit i of int32 word j: token 32 j + i), built here from the definition."""
+    words = (vocab + 31) // 32
+    bits = [[0] * words for _ in allowed]
+    for r, ids in enumerate(allowed):
+        for t in ids:
+            bits[r][t // 32] |= 1 << (t % 32)
+    as_int32 = [[w - (1 << 32) if w >= 1 << 31 else w for w in row] for row in bits]
+    return torch.tensor(as_int32, dtype=torch.int32)
+
+
+def test_bitmask_forces_disallowed_tokens_to_minus_inf(device: str) -> None:
+    vocab = 70  # not a multiple of 32: the last word's spare bits are ignored
+    allowed = [[0, 31, 32, 63, 69], list(range(vocab)), [5]]
+    logits = torch.randn(3, vocab)
+    masked = apply_bitmask(logits.to(device), _bitmask(allowed, vocab).to(device)).cpu()
+    for r, ids in enumerate(allowed):
+        finite = torch.isfinite(masked[r]).nonzero().flatten().tolist()
+        assert finite == sorted(ids)
+        assert torch.equal(masked[r, ids], logits[r, ids])  # allowed logits untouched
+    assert torch.isfinite(logits).all()  # a new tensor: the caller's logits are kept
+
+
+def test_sampling_draws_only_allowed_tokens(device: str) -> None:
+    """Greedy takes the best allowed token, sampling draws allowed tokens in proportion,
+    and the mask holds with penalties, min_tokens and logprobs (raw: before the mask)."""
+    vocab = 40
+    logits = torch.randn(4, vocab) * 3
+    logits[:, 7] = 30.0  # the best token, disallowed everywhere
+    allowed = [[1, 2, 3], [4, 9, 33], [20], [0, 5, 6]]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.8, top_k=3, repetition_penalty=1.5),
+              SamplingParams(temperature=0.0, min_tokens=2, logprobs=1)]
+    t = build_sampling_tensors(params, [[1]] * 4, [[5]] * 4, {0}, vocab, device)
+    t.allowed = _bitmask(allowed, vocab).to(device)
+    out = sample(logits.to(device), t)
+    tokens = out.token_ids.tolist()
+    assert tokens[0] == max(allowed[0], key=lambda i: logits[0, i])
+    assert tokens[1] in allowed[1] and tokens[2] == 20
+    assert tokens[3] in (5, 6)  # 0 is EOS, held back by min_tokens
+    raw = torch.log_softmax(logits[3].double(), -1)[tokens[3]].item()
+    assert out.logprobs[3].item() == pytest.approx(raw, abs=1e-4)
+    draws = Counter()
+    rows = 4000
+    many = build_sampling_tensors([SamplingParams(temperature=1.0)] * rows, [[]] * rows,
+                                  [[]] * rows, set(), vocab, device)
+    many.allowed = _bitmask([allowed[1]] * rows, vocab).to(device)
+    draws.update(sample(logits[1:2].expand(rows, -1).contiguous().to(device), many)
+                 .token_ids.tolist())
+    assert set(draws) <= set(allowed[1])
+    p = torch.softmax(logits[1, allowed[1]].double(), -1)
+    for i, t_id in enumerate(allowed[1]):
+        assert abs(draws[t_id] / rows - p[i].item()) < 0.04
