@@ -86,9 +86,26 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """`content` is null when the reply is all tool calls (or all reasoning, cut short);
+    `reasoning_content` / `reasoning` with --reasoning-parser, `tool_calls` with tools."""
+
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -114,9 +131,16 @@ class CompletionChunk(CompletionResponse):
     usage: Usage | None = None
 
 
+class ToolCallDelta(ToolCallOut):
+    index: int  # the call's number within its choice
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
