@@ -4,6 +4,8 @@ output tokens, every row constrained against none, side by side in one process.
     python -m benchmarks.structured_output              # default model; batch 1 on a CPU,
                                                         # 64 on a GPU
     python -m benchmarks.structured_output --batch 8 --rounds 5 --model DIR
+    python -m benchmarks.structured_output --export-tokenizer gpu-assets/tok   # then, on a
+    python -m benchmarks.structured_output --tokenizer gpu-assets/tok          # GPU machine
 
 Each round runs the constrained batch (every row under the 30-field schema of
 grammar_engines.py, strings at most 48
@@ -13,12 +15,20 @@ twin reached and ignore_eos: the same tokens and steps, without the mask. Rounds
 which side goes first; the figure is the median of the rounds' tokens/s ratios. The
 constraint is compiled (and cached) in a warm-up batch first: compilation is reported on its
 own, cold (a new compiler, as the engine's first constrained request meets it) and cached.
+
+On a device machine the default model's package (98 MB) is too large to carry;
+`--tokenizer DIR` runs random weights of Qwen3-0.6B's shape (benchmarks/random_model.py)
+with the default model's tokenizer, which `--export-tokenizer DIR` writes here: the mask's
+cost follows the tokenizer's vocabulary, which the random model's byte tokenizer would
+understate.
 """
 
 import argparse
 import json
+import shutil
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,6 +45,38 @@ def prompts(llm: LLM, n: int, schema: dict) -> list[list[int]]:
     return [llm.engine.render_chat([{"role": "user", "content": (
         f"Describe {topics[i % len(topics)]} (variant {i}) as a JSON object with the fields "
         f"{fields}.")}]) for i in range(n)]
+
+
+def export_tokenizer(out: Path) -> None:
+    from nanovllm.engine.tokenizer import load_tokenizer
+    from nanovllm.model.loader.source import open_model
+
+    tok = load_tokenizer(open_model(None))
+    out.mkdir(parents=True, exist_ok=True)
+    tok.backend.save(str(out / "tokenizer.json"))
+    eos = tok.backend.id_to_token(min(tok.eos_token_ids))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": None,
+         "chat_template": tok.chat_template, "add_bos_token": False}))
+    print(f"wrote {out}/tokenizer.json and tokenizer_config.json")
+
+
+def random_model_with(tokenizer: Path) -> Path:
+    """A random Qwen3-0.6B-shaped model directory of its own (the other benchmarks' keeps
+    its byte tokenizer), with `tokenizer`'s files in it."""
+    from tokenizers import Tokenizer
+
+    from benchmarks.random_model import QWEN3_RANDOM_DIR, build_random_model
+    from benchmarks.workloads import QWEN3_CONFIG
+
+    cfg = json.loads(QWEN3_CONFIG.read_text())
+    eos = json.loads((tokenizer / "tokenizer_config.json").read_text())["eos_token"]
+    cfg["eos_token_id"] = Tokenizer.from_file(str(tokenizer / "tokenizer.json")).token_to_id(eos)
+    cfg.pop("bos_token_id", None)
+    path, _ = build_random_model(cfg, Path(QWEN3_RANDOM_DIR + "-tokenizer"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, path / name)
+    return path
 
 
 def _parses(c) -> bool:
@@ -56,7 +98,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="rows (default: 64 GPU, 1 CPU)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=800)
+    ap.add_argument("--export-tokenizer", metavar="DIR",
+                    help="write the default model's tokenizer files to DIR and exit")
+    ap.add_argument("--tokenizer", metavar="DIR",
+                    help="random Qwen3-0.6B-shaped weights with the tokenizer files in DIR")
     args = ap.parse_args()
+    if args.export_tokenizer:
+        return export_tokenizer(Path(args.export_tokenizer))
+    if args.tokenizer:
+        args.model = str(random_model_with(Path(args.tokenizer)))
     gpu = torch.cuda.is_available()
     batch_size = args.batch or (64 if gpu else 1)
     # no prefix caching: the side that runs second would find the prompts cached

