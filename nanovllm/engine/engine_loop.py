@@ -217,8 +217,11 @@ class EngineLoop:
             if isinstance(e, InvalidRequestError):
                 self.outboxes[origin].send(
                     Rejected(rid, RejectReason.INVALID, str(e), e.param, e.code))
-            elif e is not None:
-                raise e  # a bug in the grammar engine's binding: the process reports it
+            elif e is not None:  # Grammars.compile turns what it knows into the above
+                log.error("compiling the constraint of %s failed", rid, exc_info=e)
+                self.outboxes[origin].send(Rejected(
+                    rid, RejectReason.INVALID, "the constraint could not be compiled",
+                    "structured_outputs"))
             else:
                 self._add(req, origin)
 

@@ -83,10 +83,17 @@ class Grammars:
         param = params.field_name()
         try:
             grammar = _grammar(params)
-        except ValueError as e:
+        except ValueError as e:  # llguidance's own account of what is wrong with it
             raise InvalidRequestError(f"{param} does not compile: {e}", param) from None
-        proto = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
-        why = _probe(proto, self.vocab_size)
+        try:
+            proto = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
+                                         limits=self.limits)
+            why = _probe(proto, self.vocab_size)
+        except Exception:  # the binding failed: the request fails, not the engine
+            log.exception("the grammar engine failed on %s", param)
+            raise InvalidRequestError(
+                f"{param} could not be compiled: the grammar engine failed on it (the "
+                "server's log has the details)", param) from None
         if why is not None:
             if any(s in why for s in ("limit", "too many", "too big", "max is")):
                 why += ("; the constraint exceeds what one request may cost the grammar "

@@ -265,3 +265,21 @@ def test_an_eos_id_past_the_tokenizer_is_not_fatal(tiny_llama):
     grammars = Grammars(tok.to_str(), 512, {2, 500})  # 500: past the 400-token vocabulary
     matcher = grammars.compile(StructuredOutputsParams(choice=["a"]))
     assert not matcher.is_error()
+
+
+def test_a_grammar_engine_failure_fails_the_request_only(llm, monkeypatch, caplog):
+    """Should llguidance's binding raise something it does not document, the request gets
+    an error naming its field, the log gets the details, and the engine serves on."""
+    import llguidance
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("internal detail that must not reach a client")
+
+    monkeypatch.setattr(llguidance, "LLMatcher", broken)
+    with pytest.raises(InvalidRequestError) as e:
+        llm.engine.add_request("x", constrained(regex="never-compiled-before"))
+    assert e.value.param == "structured_outputs.regex"
+    assert "internal detail" not in str(e.value) and "could not be compiled" in str(e.value)
+    assert "internal detail" in caplog.text
+    monkeypatch.undo()
+    assert texts(llm, constrained(regex=REGEX))[0].finish_reason == "stop"
