@@ -270,12 +270,12 @@ def test_an_eos_id_past_the_tokenizer_is_not_fatal(tiny_llama):
 def test_a_grammar_engine_failure_fails_the_request_only(llm, monkeypatch, caplog):
     """Should llguidance's binding raise something it does not document, the request gets
     an error naming its field, the log gets the details, and the engine serves on."""
-    import llguidance
+    from nanovllm.engine import structured_output
 
     def broken(*args, **kwargs):
         raise RuntimeError("internal detail that must not reach a client")
 
-    monkeypatch.setattr(llguidance, "LLMatcher", broken)
+    monkeypatch.setattr(structured_output, "_probe", broken)  # runs inside the binding call
     with pytest.raises(InvalidRequestError) as e:
         llm.engine.add_request("x", constrained(regex="never-compiled-before"))
     assert e.value.param == "structured_outputs.regex"
