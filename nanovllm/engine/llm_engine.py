@@ -101,6 +101,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self.reasoning = (ReasoningParser(config.reasoning_parser)
                           if config.reasoning_parser else None)
+        if self.reasoning and self.tokenizer.backend.token_to_id(self.reasoning.end) is None:
+            log.warning("reasoning_parser=%s: the tokenizer has no %s token; replies are "
+                        "still split, but constrained requests will be refused",
+                        self.reasoning.kind, self.reasoning.end)
         # how the model writes tool calls (tool_choice "auto"): as asked, or read from the
         # chat template; None when neither names a format
         self.tool_call_parser = (
