@@ -36,6 +36,15 @@ class ChatReply:
     content: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
 
+    def __add__(self, later: ChatReply) -> ChatReply:
+        """This piece followed by a `later` one."""
+        return ChatReply(_join(self.reasoning, later.reasoning),
+                         _join(self.content, later.content), self.tool_calls + later.tool_calls)
+
+
+def _join(a: str | None, b: str | None) -> str | None:
+    return b if a is None else a if b is None else a + b
+
 
 class ChatTools:
     """One request's `tools`, `tool_choice` and `parallel_tool_calls`, checked (errors name
@@ -90,25 +99,12 @@ class ChatOutputParser:
         self.tools = tools if tools is not None and tools.choice != "none" else None
 
     def parse(self, text: str) -> ChatReply:
-        reasoning, content = None, text
-        if self.reasoning is not None:
-            reasoning, content = self.reasoning.split(text)
-        reply = ChatReply(reasoning, content or None)
-        if self.tools is not None and content:
-            reply.content, reply.tool_calls = self._calls(content)
-        return reply
+        """A whole reply: one piece of a stream, so both read it one way."""
+        stream = self.stream()
+        return stream.feed(text) + stream.finish()
 
     def stream(self) -> ChatReplyStream:
         return ChatReplyStream(self)
-
-    def _calls(self, content: str) -> tuple[str | None, list[ToolCall]]:
-        tools = self.tools
-        if tools.forced:
-            try:
-                return None, parse_forced_calls(content, tools.functions, tools.choice)
-            except ValueError:  # cut short (max_tokens): the text is all there is
-                return content, []
-        return ToolCallParser(tools.parser).parse(content)
 
 
 class ChatReplyStream:
@@ -141,8 +137,9 @@ class ChatReplyStream:
         reply = ChatReply(reasoning or None)
         if self._forced:
             self._held.append(content)
-            if final and "".join(self._held):
-                reply.content, reply.tool_calls = self.parser._calls("".join(self._held))
+            answer = "".join(self._held) if final else ""
+            if answer:
+                reply.content, reply.tool_calls = self._forced_calls(answer)
             return reply
         if self._calls is not None:
             text, calls = self._calls.feed(content) if content else ("", [])
@@ -153,6 +150,13 @@ class ChatReplyStream:
             return reply
         reply.content = content or None
         return reply
+
+    def _forced_calls(self, answer: str) -> tuple[str | None, list[ToolCall]]:
+        tools = self.parser.tools
+        try:
+            return None, parse_forced_calls(answer, tools.functions, tools.choice)
+        except ValueError:  # cut short (max_tokens): the text is all there is
+            return answer, []
 
 
 def for_template(messages: list[dict]) -> list[dict]:

@@ -36,18 +36,12 @@ class ReasoningParser:
         self.kind = kind
 
     def split(self, text: str) -> tuple[str | None, str | None]:
-        """(reasoning, content) of a whole output; None for a part that is absent or empty."""
-        head = text.lstrip()
-        if head.startswith(self.start):
-            rest = head[len(self.start) :]
-        elif self.kind == "qwen3":
-            return None, text or None
-        else:
-            rest = text
-        reasoning, tag, content = rest.partition(self.end)
-        if not tag:
-            return reasoning or None, None
-        return reasoning or None, content.lstrip("\n") or None
+        """(reasoning, content) of a whole output; None for a part that is absent or empty.
+        The whole output is one piece of a stream: one way to read it, however it comes."""
+        stream = self.stream()
+        reasoning, content = stream.feed(text)
+        more_reasoning, more_content = stream.finish()
+        return (reasoning + more_reasoning) or None, (content + more_content) or None
 
     def stream(self) -> ReasoningStream:
         """A splitter for one output that arrives in pieces."""

@@ -41,40 +41,16 @@ class ToolCallParser:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole output: the content is the text outside the calls,
-        without the whitespace around it, None when nothing is left."""
-        if self.kind == "hermes":
-            content, calls = _parse_hermes(text)
-        else:
-            content, calls = _parse_llama3(text)
-        return content.strip() or None, calls
+        without the whitespace around it, None when nothing is left. The whole output is one
+        piece of a stream: one way to read it, however it comes."""
+        stream = self.stream()
+        content, calls = stream.feed(text)
+        rest, more = stream.finish()
+        return (content + rest) or None, calls + more
 
     def stream(self) -> ToolCallStream:
         """A parser for one output that arrives in pieces."""
         return _HermesStream() if self.kind == "hermes" else _Llama3Stream()
-
-
-def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
-    content: list[str] = []
-    calls: list[ToolCall] = []
-    pos = 0
-    while True:
-        start = text.find(HERMES_OPEN, pos)
-        if start < 0:
-            content.append(text[pos:])
-            break
-        content.append(text[pos:start])
-        close = text.find(HERMES_CLOSE, start + len(HERMES_OPEN))
-        inner_end = len(text) if close < 0 else close
-        end = len(text) if close < 0 else close + len(HERMES_CLOSE)
-        call = _hermes_call(text[start + len(HERMES_OPEN) : inner_end])
-        if call is None:
-            content.append(text[start:end])
-        else:
-            calls.append(call)
-        if close < 0:
-            break
-        pos = end
-    return "".join(content), calls
 
 
 def _hermes_call(inner: str) -> ToolCall | None:
@@ -108,15 +84,6 @@ def _call_from(obj, arguments_required: bool) -> ToolCall | None:
     if not isinstance(arguments, dict):
         return None
     return ToolCall(obj["name"], dumps_arguments(arguments))
-
-
-def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
-    body = _llama3_body(text.lstrip())
-    if body is not None and body.startswith("{"):
-        calls: list[ToolCall] = []
-        if _scan_llama3(body, 0, calls)[2] == _DONE:
-            return "", calls
-    return text, []
 
 
 def _llama3_body(head: str) -> str | None:

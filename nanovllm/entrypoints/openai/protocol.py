@@ -329,10 +329,7 @@ class ChatShape(_Shape):
             stream = self.streams.get(i) or self.streams.setdefault(i, self.parser.stream())
             reply = stream.feed(text) if text else ChatReply()
             if finish is not None:
-                last = stream.finish()
-                reply = ChatReply(_join(reply.reasoning, last.reasoning),
-                                  _join(reply.content, last.content),
-                                  reply.tool_calls + last.tool_calls)
+                reply = reply + stream.finish()
             body = {"delta": self._message(reply, i, delta=True), "logprobs": lp}
         else:
             reply = self.parser.parse(text)
@@ -379,10 +376,6 @@ class ChatShape(_Shape):
             top = [item(t, lp) for t, lp in sorted(lps.items(), key=lambda kv: -kv[1])[:k]]
             content.append({**item(token_id, lps.get(token_id)), "top_logprobs": top})
         return {"content": content}
-
-
-def _join(a: str | None, b: str | None) -> str | None:
-    return b if a is None else a if b is None else a + b
 
 
 ResponseShape = CompletionShape | ChatShape
