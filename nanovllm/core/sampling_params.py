@@ -1,6 +1,7 @@
 import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from nanovllm.core.errors import InvalidRequestError
 
@@ -77,17 +78,18 @@ class StructuredOutputsParams:
                 bad("choice", f"use at most {MAX_CHOICES} choices, not {len(value)}")
         elif not isinstance(value, str) or not value:
             bad(kind, "use a non-empty string")
-        if len(self.key[1]) > MAX_CONSTRAINT_CHARS:
-            bad(kind, f"it is {len(self.key[1])} characters; use at most "
-                f"{MAX_CONSTRAINT_CHARS}")
+        size = len(self.key[1])
+        if size > MAX_CONSTRAINT_CHARS:
+            bad(kind, f"it is {size} characters; use at most {MAX_CONSTRAINT_CHARS}")
 
     @property
     def kind(self) -> str:
         return next(k for k in _KINDS if getattr(self, k) not in (None, False))
 
-    @property
+    @cached_property
     def key(self) -> tuple[str, str]:
-        """(kind, canonical text): what compiled constraints are cached by."""
+        """(kind, canonical text): what compiled constraints are cached by (computed once:
+        the cache asks for it on every request)."""
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json":

@@ -286,7 +286,7 @@ class LLMEngine:
         if batch:
             self._count(batch)
             masks = None
-            if self._structured is not None and self._structured.constrains(batch.sampling_seqs):
+            if self._structured and self._structured.constrains(batch.sampling_seqs):
                 masks = self._masks(batch, prev)  # resolves `prev` before the bitmask
             with self.times("launch"):
                 handle = self.runner.launch(batch, prev, masks)
@@ -339,7 +339,7 @@ class LLMEngine:
             out = self.runner.collect(handle)
         with self.times("postprocess"):
             self.num_generated_tokens += len(out.token_ids)
-            structured = self._structured
+            structured = self._structured if self._structured and self._structured.by_seq else None
             for seq in self.scheduler.resolve(handle.seqs, out.token_ids, out.logprobs):
                 if structured is not None:  # a complete or failed constraint ends it
                     reason = structured.accept(seq, seq.token_ids[-1])
