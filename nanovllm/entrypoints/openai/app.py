@@ -38,9 +38,7 @@ from nanovllm.entrypoints.openai.openapi import (
 )
 from nanovllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
-    ChatShape,
     CompletionRequest,
-    CompletionShape,
     DetokenizeRequest,
     TokenizeRequest,
 )
@@ -48,6 +46,7 @@ from nanovllm.entrypoints.openai.replicas import ReplicaSet
 from nanovllm.entrypoints.openai.request_body import body_read, read_json
 from nanovllm.entrypoints.openai.responses import respond
 from nanovllm.entrypoints.openai.serving import Server, ServerSettings
+from nanovllm.entrypoints.openai.shapes import ChatShape, CompletionShape
 
 log = logging.getLogger("nanovllm.server")
 # declares the key in /openapi.json; check_key does the comparison

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanovllm.entrypoints.openai.errors import api_error
 from nanovllm.entrypoints.openai.generation import Generation
-from nanovllm.entrypoints.openai.protocol import ResponseShape
+from nanovllm.entrypoints.openai.shapes import ResponseShape
 
 log = logging.getLogger("nanovllm.server")
 
