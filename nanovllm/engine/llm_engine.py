@@ -101,7 +101,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self.reasoning = (ReasoningParser(config.reasoning_parser)
                           if config.reasoning_parser else None)
-        if self.reasoning and self.tokenizer.backend.token_to_id(self.reasoning.end) is None:
+        # `</think>`'s id: where a constraint on the answer starts (None: not one token)
+        self._reasoning_end = (self.tokenizer.backend.token_to_id(self.reasoning.end)
+                               if self.reasoning else None)
+        if self.reasoning and self._reasoning_end is None:
             log.warning("reasoning_parser=%s: the tokenizer has no %s token; replies are "
                         "still split, but constrained requests will be refused",
                         self.reasoning.kind, self.reasoning.end)
@@ -219,17 +222,14 @@ class LLMEngine:
         """The running sequences' structured-output constraints (the grammar engine loads
         on the first request that has one)."""
         if self._structured is None:
-            end = None
-            if self.reasoning is not None:
-                end = self.tokenizer.backend.token_to_id(self.reasoning.end)
-                if end is None:
-                    raise ConfigError(
-                        f"reasoning_parser={self.reasoning.kind}: this tokenizer has no "
-                        f"{self.reasoning.end} token, so structured output cannot tell where "
-                        "the answer starts; start the engine without a reasoning parser")
+            if self.reasoning is not None and self._reasoning_end is None:
+                raise ConfigError(
+                    f"reasoning_parser={self.reasoning.kind}: this tokenizer has no "
+                    f"{self.reasoning.end} token, so structured output cannot tell where "
+                    "the answer starts; start the engine without a reasoning parser")
             grammars = Grammars(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
                                 self.eos_token_ids)
-            self._structured = StructuredOutputs(grammars, end)
+            self._structured = StructuredOutputs(grammars, self._reasoning_end)
         return self._structured
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
